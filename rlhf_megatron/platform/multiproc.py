@@ -1,0 +1,126 @@
+"""Run a function on N local processes with ``torch.distributed`` set up.
+
+Used by the multi-rank tests and the benchmarks: each rank runs
+``fn(rank, world_size, *args)`` with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set
+and (by default) the process group initialised. Results come back in rank
+order. When any rank raises or dies, the others are stopped and the error
+names the failing rank and carries its traceback, so a broken collective never
+turns into a silent hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, died or timed out. ``rank`` is the first one that failed."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def find_free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, env, init_pg, results):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        if init_pg:
+            from rlhf_megatron.platform import init_distributed
+
+            init_distributed()
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if init_pg:
+            from rlhf_megatron.platform import destroy_distributed
+
+            with contextlib.suppress(Exception):
+                destroy_distributed()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
+    init_process_group: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    ``fn`` and its arguments must be picklable (a module-level function).
+    Returns the per-rank return values. Raises ``RankFailedError`` naming the
+    first failing rank with its traceback, or the ranks that were still
+    running when ``timeout_s`` passed.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, args, env, init_process_group, results),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    r = dead[0]
+                    raise RankFailedError(
+                        r,
+                        f"rank {r} of {world_size} died with exit code {procs[r].exitcode} before reporting",
+                    ) from None
+                if time.monotonic() > deadline:
+                    pending = sorted(set(range(world_size)) - set(outputs))
+                    raise RankFailedError(
+                        pending[0], f"ranks {pending} of {world_size} still running after {timeout_s:.0f} s"
+                    ) from None
+                continue
+            if not ok:
+                raise RankFailedError(rank, f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outputs) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [outputs[r] for r in range(world_size)]

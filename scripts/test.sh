@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up .venv (idempotent) and runs the whole test suite plus the linter.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check rlhf_megatron tests tools launchers scripts
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when nothing was collected: that is a failure here, not a pass.
+if [ "$rc" -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi
+exit "$rc"
