@@ -1,0 +1,111 @@
+"""A transformers rollout engine with the vLLM engine's interface (``rollout.name=hf``).
+
+The fallback for models or platforms vLLM can't serve, and a second opinion
+in tests. One process holds the whole model; generation is
+``model.generate`` on left-padded prompts, and the log-prob of each sampled
+token comes from the raw (pre-temperature) logits, as vLLM reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.rollout.base import SamplingConfig, _get, assemble_rollout, prompt_token_lists
+
+
+class HFEngine:
+    """transformers ``generate`` behind the ``RolloutEngine`` interface."""
+
+    def __init__(self, model_path: str, rollout_cfg: Any = None, *, seed: int = 0, pad_token_id: int = 0,
+                 eos_token_id: int | list[int] | None = None, **_: Any):  # fmt: skip
+        from transformers import AutoModelForCausalLM
+
+        dtype = str(_get(rollout_cfg, "dtype", "float32"))
+        torch_dtype = (
+            torch.float32 if not torch.cuda.is_available() else getattr(torch, dtype, torch.bfloat16)
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+        if torch.cuda.is_available():
+            self.model.cuda()
+        self.device = next(self.model.parameters()).device
+        self.pad_token_id = pad_token_id
+        gen_eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids = set(
+            [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []))
+        )  # fmt: skip
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        token_lists = prompt_token_lists(prompts)
+        width = max(len(ids) for ids in token_lists)
+        ids = torch.full((len(token_lists), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, toks in enumerate(token_lists):
+            ids[row, width - len(toks) :] = torch.as_tensor(toks)
+            mask[row, width - len(toks) :] = 1
+        # generate() draws from torch's global RNG; seed it from our own stream so a
+        # run is reproducible without disturbing the caller's RNG state.
+        state = torch.get_rng_state()
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
+        try:
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                max_new_tokens=sampling.response_length,
+                do_sample=not sampling.greedy,
+                temperature=sampling.temperature if not sampling.greedy else None,
+                top_p=sampling.top_p if not sampling.greedy else None,
+                top_k=(sampling.top_k if sampling.top_k > 0 else None) if not sampling.greedy else None,
+                num_return_sequences=sampling.n,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=sorted(self.eos_token_ids) or None,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        finally:
+            torch.set_rng_state(state)
+        new = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # (B*n, R', V)
+        lps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        responses, log_probs = [], []
+        for row in range(new.shape[0]):
+            toks = new[row].tolist()
+            end = len(toks)
+            for t, tok in enumerate(toks):
+                if tok in self.eos_token_ids:
+                    end = t + 1
+                    break
+            responses.append(toks[:end])
+            log_probs.append(lps[row, :end].tolist())
+        return assemble_rollout(
+            prompts, responses, log_probs, sampling.n, sampling.response_length, self.pad_token_id
+        )
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            if name not in params:
+                if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+                    continue  # tied to the embedding, which arrives under its own name
+                raise KeyError(f"HFEngine.update_weights: the model has no parameter '{name}'")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"HFEngine.update_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,198 @@
+"""The vLLM rollout engine, colocated with the actor's training processes.
+
+Colocation ("hybrid engine"): the engine lives inside the same processes as
+the Megatron actor. With ``tensor_parallel_size > 1`` or an initialised
+``torch.distributed`` world, vLLM runs in its ``external_launcher`` mode: it
+reuses the existing process group (NCCL on GPU, gloo on CPU), and every rank
+of a rollout-TP group calls ``generate`` with the same prompts and the same
+seed, so all ranks produce identical samples. A single process with no world
+runs a plain in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps
+vLLM's engine core in this process either way).
+
+Weights: ``update_weights`` streams ``(hf_name, tensor)`` pairs into vLLM.
+With ``load_format="hf"`` they go through the model runner's
+``reload_weights(weights_iterator=...)``, which runs vLLM's own loader (TP
+slicing, qkv/gate-up fusion) and then its post-load processing again; on CPU
+that processing repacks linear weights, so copying into parameters directly
+would be wrong there. ``load_format="sharded"`` copies tensors that are
+already in vLLM's per-rank kernel layout straight into the parameters
+(``is_checkpoint_format=False``) and is only valid on GPU.
+
+Memory: on GPU ``sleep()``/``wake_up()`` release and restore weights and KV
+cache (vLLM sleep mode) around training phases; on CPU they are no-ops, and
+the KV cache is sized from the model and ``max_num_seqs`` instead of a
+fraction of device memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.rollout.base import SamplingConfig, _get, assemble_rollout, prompt_token_lists
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("hf", "sharded")
+
+
+def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype_bytes: int) -> int:
+    """KV cache for ``max_num_seqs`` full-length sequences (+25%), at least 64 MiB.
+
+    vLLM on CPU otherwise claims several GiB per engine, which several
+    colocated engines on one small machine cannot afford.
+    """
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    return max(64 * 2**20, int(per_token * max_model_len * max_num_seqs * 1.25))
+
+
+class VLLMEngine:
+    """vLLM behind the ``RolloutEngine`` interface (see ``rollout/base.py``)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout_cfg: Any,
+        *,
+        max_model_len: int,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        tensor_parallel_size: int | None = None,
+    ):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.load_format = str(_get(rollout_cfg, "load_format", "hf"))
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.load_format={self.load_format!r} is not one of {LOAD_FORMATS}"
+            )
+        if self.load_format == "sharded" and not torch.cuda.is_available():
+            raise ValueError(
+                "actor_rollout_ref.rollout.load_format=sharded copies weights into vLLM's GPU parameters; "
+                "vLLM on CPU repacks its weights after loading, so use load_format=hf on CPU"
+            )
+        self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len
+        tp = int(tensor_parallel_size or _get(rollout_cfg, "tensor_model_parallel_size", 1))
+        dtype = str(_get(rollout_cfg, "dtype", "bfloat16"))
+        if not torch.cuda.is_available() and dtype in ("bfloat16", "float16", "half"):
+            # The tiny CPU models and the Megatron side run fp32; matching dtypes keeps
+            # the rollout log-probs comparable with the trainer's.
+            dtype = "float32"
+        max_num_seqs = int(_get(rollout_cfg, "max_num_seqs", 256) or 256)
+        kwargs: dict[str, Any] = dict(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=bool(_get(rollout_cfg, "enforce_eager", True)),
+            max_num_seqs=max_num_seqs,
+            disable_log_stats=True,
+            trust_remote_code=bool(_get(rollout_cfg, "trust_remote_code", False)),
+        )
+        batched = _get(rollout_cfg, "max_num_batched_tokens", None)
+        if batched:
+            kwargs["max_num_batched_tokens"] = int(batched)
+        if torch.distributed.is_initialized():
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.on_gpu = torch.cuda.is_available()
+        if self.on_gpu:
+            kwargs["gpu_memory_utilization"] = float(_get(rollout_cfg, "gpu_memory_utilization", 0.5))
+            kwargs["enable_sleep_mode"] = bool(_get(rollout_cfg, "free_cache_engine", True))
+        else:
+            dtype_bytes = 4 if dtype == "float32" else 2
+            kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
+                model_path, max_model_len, max_num_seqs, dtype_bytes
+            )
+        self.llm = LLM(**kwargs)
+        self.sleeping = False
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+        """Sample ``sampling.n`` responses per prompt; see ``rollout/base.py`` for the layout."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.generate_sequences called while asleep; call wake_up() first")
+        token_lists = prompt_token_lists(prompts)
+        for row, ids in enumerate(token_lists):
+            if len(ids) + sampling.response_length > self.max_model_len:
+                raise ValueError(
+                    f"prompt row {row} has {len(ids)} tokens; with response_length={sampling.response_length} "
+                    f"it exceeds the engine's max_model_len={self.max_model_len} "
+                    "(data.max_prompt_length + data.max_response_length)"
+                )
+        params = SamplingParams(
+            n=sampling.n,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0 if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
+            max_tokens=sampling.response_length,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in token_lists], params, use_tqdm=False
+        )
+        responses, log_probs = [], []
+        for out in outputs:
+            if len(out.outputs) != sampling.n:
+                raise RuntimeError(
+                    f"vLLM returned {len(out.outputs)} samples for a prompt, expected n={sampling.n}"
+                )
+            for sample in out.outputs:
+                ids = list(sample.token_ids)
+                responses.append(ids)
+                log_probs.append([step[tok].logprob for tok, step in zip(ids, sample.logprobs or [])])
+        return assemble_rollout(
+            prompts, responses, log_probs, sampling.n, sampling.response_length, self.pad_token_id
+        )
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights. ``weights`` may be a generator; it is consumed exactly once, streaming."""
+        if self.load_format == "hf":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        else:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": False}
+            )
+        self.llm.reset_prefix_cache()
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """vLLM's current parameters on this rank (copies). For tests and debugging."""
+        return self.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
+
+    # ------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """Release weights and KV cache between rollouts (GPU); a no-op on CPU."""
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=1)
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self.sleeping:
+            self.llm.wake_up()
+        self.sleeping = False
+
+    def shutdown(self) -> None:
+        """Stop the engine core before the process group goes away."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
