@@ -1,0 +1,208 @@
+"""Worker groups: one Ray actor per bundle, a torch.distributed world, explicit dispatch.
+
+``WorkerGroup(role, pool, worker_cls, ...)`` starts ``pool.world_size`` Ray
+actors of ``worker_cls`` (a ``workers.base.Worker`` subclass), one per bundle,
+and wires them into one process group (rank 0's node address and a free port
+are the rendezvous). Calls are explicit about how data moves:
+
+- ``call(method, *args, dispatch="all")``: every rank gets the same arguments;
+  returns the per-rank results.
+- ``call(method, batch, dispatch="dp_compute")``: the ``Batch`` is split into
+  ``dp_size`` equal chunks; every TP/PP/CP rank of data-parallel group ``d``
+  gets chunk ``d``; results are collected only from the ranks that own outputs
+  (last PP stage, TP rank 0, CP rank 0) and concatenated in DP order (a list
+  of per-DP results when they are not Batches).
+- ``call(method, *args, dispatch="rank0")``: every rank runs it, rank 0's
+  result is returned.
+
+Failures never hang the driver: results are awaited one at a time with a
+deadline; the first exception or dead process raises ``WorkerError`` naming
+the role, the rank, the node and the remote traceback, and the remaining
+ranks (likely stuck in a collective) are killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.scheduling.resource_pool import ResourcePool
+
+logger = logging.getLogger(__name__)
+
+DISPATCH_MODES = ("all", "dp_compute", "rank0")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerError(RuntimeError):
+    """A rank of a worker group raised, died or missed its deadline."""
+
+    def __init__(self, role: str, rank: int | None, node: str, detail: str):
+        where = f"rank {rank}" if rank is not None else "ranks"
+        super().__init__(f"[{role}] {where} on node {node}: {detail}")
+        self.role, self.rank, self.node = role, rank, node
+
+
+class WorkerGroup:
+    """The Ray actors of one role, colocated in a resource pool's bundles."""
+
+    def __init__(
+        self,
+        role: str,
+        pool: ResourcePool,
+        worker_cls: type,
+        worker_kwargs: dict[str, Any] | None = None,
+        colocated_roles: int = 1,
+        env: dict[str, str] | None = None,
+        call_timeout_s: float = 3600.0,
+        init_timeout_s: float = 300.0,
+    ):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.role = role
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s
+        share = 1.0 / colocated_roles
+        remote_cls = ray.remote(worker_cls)
+        slots = pool.slots()
+        self.world_size = len(slots)
+        base_env = {"RLHF_ROLE": role, **(env or {})}
+        self.workers = [
+            remote_cls.options(
+                num_cpus=pool.cpus_per_process * share,
+                num_gpus=share if pool.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle
+                ),
+                name=None,
+            ).remote(role=role, rank=rank, world_size=self.world_size, env=base_env, **(worker_kwargs or {}))
+            for rank, (pg, bundle) in enumerate(slots)
+        ]
+        self.nodes: list[dict[str, Any]] = []
+        self.nodes = self._wait([w.node_info.remote() for w in self.workers], init_timeout_s, "node_info")
+        master = self.nodes[0]
+        self._wait(
+            [w.init_distributed.remote(master["ip"], master["free_port"]) for w in self.workers],
+            init_timeout_s,
+            "init_distributed",
+        )
+        self.parallel = None
+
+    # ------------------------------------------------------------------ calls
+    def call(
+        self, method: str, *args: Any, dispatch: str = "all", timeout_s: float | None = None, **kwargs
+    ) -> Any:
+        """Run ``method`` on every rank with the given dispatch mode (see the module docstring)."""
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"WorkerGroup.call: dispatch={dispatch!r} is not one of {DISPATCH_MODES}")
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        if dispatch == "dp_compute":
+            return self._call_dp(method, args, kwargs, timeout_s)
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        results = self._wait(refs, timeout_s, method)
+        return results[0] if dispatch == "rank0" else results
+
+    def refresh_parallel_info(self) -> None:
+        """Read every rank's ``ParallelInfo`` (after the role built its model)."""
+        self.parallel = self.call("parallel_info")
+        if any(p is None for p in self.parallel):
+            missing = [r for r, p in enumerate(self.parallel) if p is None]
+            raise RuntimeError(
+                f"[{self.role}] ranks {missing} have no parallel layout yet; build the model first"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        if self.parallel is None:
+            self.refresh_parallel_info()
+        return self.parallel[0].dp_size
+
+    def _call_dp(self, method: str, args: tuple, kwargs: dict, timeout_s: float) -> Any:
+        if self.parallel is None:
+            self.refresh_parallel_info()
+        if not args or not isinstance(args[0], Batch):
+            raise TypeError(
+                f"[{self.role}] dispatch='dp_compute' needs a Batch as the first argument of {method}"
+            )
+        batch, rest = args[0], args[1:]
+        dp = self.parallel[0].dp_size
+        if len(batch) % dp:
+            raise ValueError(
+                f"[{self.role}] {method}: batch of {len(batch)} rows does not split into data-parallel size {dp}; "
+                "pad it (Batch.pad_to_divisor) or make the batch size a multiple of the DP size"
+            )
+        chunks = batch.chunk(dp)
+        refs = [
+            getattr(w, method).remote(chunks[info.dp_rank], *rest, **kwargs)
+            for w, info in zip(self.workers, self.parallel)
+        ]
+        results = self._wait(refs, timeout_s, method)
+        owned = {info.dp_rank: res for res, info in zip(results, self.parallel) if info.is_output_rank}
+        ordered = [owned[d] for d in range(dp)]
+        if all(isinstance(r, Batch) for r in ordered):
+            return Batch.concat(ordered)
+        return ordered
+
+    # ------------------------------------------------------------------ failures
+    def _node_name(self, rank: int) -> str:
+        info = self.nodes[rank] if rank < len(self.nodes) else None
+        if isinstance(info, dict):
+            return f"{info['hostname']} ({info['ip']}, pid {info['pid']})"
+        return "unknown"
+
+    def _wait(self, refs: list, timeout_s: float, what: str) -> list:
+        """Results in rank order; the first failure or the deadline raises ``WorkerError``."""
+        import ray
+
+        index = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(index[r] for r in pending)
+                self.kill()
+                raise WorkerError(
+                    self.role, None, ", ".join(self._node_name(r) for r in late[:4]),
+                    f"{what} did not finish within {timeout_s:.0f} s on ranks {late}; the group was stopped",
+                )  # fmt: skip
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
+            for ref in done:
+                rank = index[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    self.kill()
+                    raise WorkerError(
+                        self.role, rank, self._node_name(rank),
+                        f"process died during {what} ({type(err).__name__}): {err}",
+                    ) from err  # fmt: skip
+                except ray.exceptions.RayTaskError as err:
+                    self.kill()
+                    detail = _ANSI.sub("", str(err))
+                    raise WorkerError(
+                        self.role, rank, self._node_name(rank), f"{what} raised:\n{detail}"
+                    ) from err
+        return [results[r] for r in range(len(refs))]
+
+    def kill(self) -> None:
+        """Stop every actor of the group at once (no graceful shutdown: ranks may be stuck)."""
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception as err:  # already dead is fine; anything else is worth a line
+                logger.debug("killing a %s worker: %s", self.role, err)
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Graceful: tear down process groups, then stop the actors."""
+        try:
+            self._wait([w.shutdown.remote() for w in self.workers], timeout_s, "shutdown")
+        finally:
+            self.kill()

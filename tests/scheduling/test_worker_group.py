@@ -1,0 +1,90 @@
+"""Worker groups on a real local Ray cluster (CPU bundles) and a real 2-node Ray cluster."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.scheduling import ResourcePool, WorkerError, WorkerGroup
+
+ray = pytest.importorskip("ray")
+HERE = str(Path(__file__).resolve().parent)
+RUNTIME_ENV = {"env_vars": {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}}
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=RUNTIME_ENV, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _group(n, tp, name):
+    from sched_workers import EchoWorker
+
+    pool = ResourcePool(name, [n])
+    group = WorkerGroup("actor", pool, EchoWorker, call_timeout_s=120)
+    group.call("init_model", tp)
+    return group, pool
+
+
+@pytest.mark.parametrize("n, tp", [(2, 2), (4, 2)])
+def test_dp_compute_splits_by_dp_rank_and_collects_owners(local_ray, n, tp):
+    group, pool = _group(n, tp, f"echo{n}")
+    try:
+        x = torch.arange(8, dtype=torch.float32)
+        out = group.call("tag_rows", Batch.from_dict({"x": x}), dispatch="dp_compute")
+        dp = n // tp
+        assert torch.equal(out["x"], x), "rows come back in order"
+        assert torch.equal(out["dp_rank"], torch.arange(dp).repeat_interleave(8 // dp))
+        # tp_sum: the all-reduce over the whole world sums every rank's chunk: TP ranks share a chunk.
+        assert torch.allclose(out["tp_sum"], torch.full((8,), float(x.sum()) * tp))
+        if dp > 1:
+            with pytest.raises(ValueError, match="does not split into data-parallel size"):
+                group.call("tag_rows", Batch.from_dict({"x": torch.arange(3.0)}), dispatch="dp_compute")
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_exception_on_one_rank_names_role_rank_and_traceback(local_ray):
+    group, pool = _group(2, 1, "fail")
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        group.call("fail", 1)
+    assert time.monotonic() - start < 30
+    msg = str(err.value)
+    assert "[actor] rank 1 on node" in msg and "ValueError: deliberate failure in rank 1" in msg
+    assert "sched_workers.py" in msg and ", in fail" in msg, "the remote traceback is included"
+    assert "\x1b[" not in msg
+    assert err.value.rank == 1
+    pool.remove()
+
+
+def test_killed_worker_is_reported_within_timeout(local_ray):
+    group, pool = _group(2, 1, "die")
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"\[actor\] rank 0 on node .*process died during die"):
+        group.call("die", 0, timeout_s=60)
+    assert time.monotonic() - start < 30
+    pool.remove()
+
+
+def test_hang_hits_the_deadline(local_ray):
+    group, pool = _group(2, 1, "hang")
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"hang did not finish within 3 s on ranks \[0, 1\]"):
+        group.call("hang", timeout_s=3)
+    assert time.monotonic() - start < 20
+    pool.remove()
+
+
+def test_pool_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="at least one process per node"):
+        ResourcePool("bad", [2, 0])
+    with pytest.raises(ValueError, match="strategy 'CLUSTER'"):
+        ResourcePool("bad", [2], strategy="CLUSTER")
