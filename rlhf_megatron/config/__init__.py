@@ -1,0 +1,80 @@
+"""Configuration of a training run: typed schema, presets, overrides, validation, memory plan.
+
+Role: the one place a run's settings come from. ``load_config(file, overrides)`` layers the
+schema defaults (``schema.py``, ``schema_roles.py``), a YAML preset from ``configs/``
+(``presets.py``) and verl-style dotted overrides (``loader.py``), then checks every
+cross-field rule (``validate.py``) and fills in derived values (``normalize.py``).
+``planner.py`` estimates per-GPU memory for ``rlhf-megatron plan``.
+
+Boundaries: imports only the standard library, omegaconf and yaml (plus, lazily, the
+algorithm registries for valid names). Nothing here starts processes or touches devices.
+"""
+
+from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.keys import field_docs, schema_keys
+from rlhf_megatron.config.loader import IgnoredKeysWarning, load_config, parse_overrides, save_resolved_config
+from rlhf_megatron.config.normalize import normalize_config
+from rlhf_megatron.config.schema import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    AlgorithmConfig,
+    CheckpointConfig,
+    CriticConfig,
+    CriticModelConfig,
+    CustomClassConfig,
+    CustomRewardFunctionConfig,
+    DataConfig,
+    KLControlConfig,
+    MegatronConfig,
+    ModelArchConfig,
+    ModelConfig,
+    OptimConfig,
+    PolicyLossConfig,
+    RayInitConfig,
+    RefConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+from rlhf_megatron.config.validate import ArchUnknownWarning, validate_config
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "ArchUnknownWarning",
+    "CheckpointConfig",
+    "ConfigError",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomClassConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "IgnoredKeysWarning",
+    "KLControlConfig",
+    "MegatronConfig",
+    "ModelArchConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "RayInitConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+    "field_docs",
+    "load_config",
+    "normalize_config",
+    "parse_overrides",
+    "save_resolved_config",
+    "schema_keys",
+    "validate_config",
+]

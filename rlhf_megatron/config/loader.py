@@ -1,0 +1,290 @@
+"""Loading a run's config: schema defaults <- preset file(s) <- dotted overrides.
+
+Role: ``load_config`` is the single way a config comes into being. Layers are flattened to
+dotted keys and checked against the schema key by key, so one error lists every unknown
+key (with the nearest valid key), every wrongly typed value and every broken
+interpolation at once. verl keys that mean nothing with Megatron are dropped with one
+warning (see ``keys.IGNORED_KEYS``). The result is a structured, resolved DictConfig that
+has passed ``validate_config`` and been normalised (per-GPU micro-batches filled in).
+
+Override syntax is verl's (Hydra's): ``a.b=c``, ``+a.b=c`` and ``++a.b=c`` (accepted the
+same way: the schema decides what may exist), YAML values (``null``, ``True``, ``1e-6``,
+``['wandb']``) and OmegaConf interpolations (``${data.max_response_length}``).
+
+Boundaries: no cross-field rules (``validate.py``), no derived values (``normalize.py``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+
+from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.keys import RENAMED_KEYS, find_ignored, schema_keys
+from rlhf_megatron.config.presets import read_preset_layers
+from rlhf_megatron.config.schema import RunConfig
+
+__all__ = [
+    "COMMAND_LINE",
+    "IgnoredKeysWarning",
+    "RESOLVED_CONFIG_NAME",
+    "load_config",
+    "parse_overrides",
+    "save_resolved_config",
+]
+
+COMMAND_LINE = "command line"
+RESOLVED_CONFIG_NAME = "resolved_config.yaml"
+
+
+class IgnoredKeysWarning(UserWarning):
+    """verl keys that the Megatron backend does not use were given and dropped."""
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """``["a.b=1", "+c=['x']"]`` -> ``{"a.b": 1, "c": ["x"]}``; values parsed as YAML."""
+    out: dict[str, Any] = {}
+    errors = []
+    for item in overrides:
+        if item.startswith("~"):
+            errors.append(f"{item!r}: deleting keys is not supported; set the key to null or leave it out")
+            continue
+        key, sep, raw = item.lstrip("+").partition("=")
+        key = key.strip()
+        if not sep or not key:
+            errors.append(f"override {item!r} is not key=value (e.g. trainer.total_epochs=3)")
+            continue
+        # Hydra reads `key=` as the empty string; YAML would read it as null.
+        out[key] = "" if raw == "" else OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    """Nested mapping -> dotted leaves. Empty mappings stay leaves, so ``x: {}`` still sets x."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = value
+
+
+class _Layers:
+    """Flat view of all layers: later layers replace earlier values, and setting a key
+    replaces everything below it (``model_arch: null`` drops a base's ``model_arch.*``)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}
+        self.ignored: dict[str, str] = {}  # key -> reason
+        self.errors: list[str] = []
+
+    def add(self, source: str, mapping: dict[str, Any]) -> None:
+        flat: dict[str, Any] = {}
+        for k, v in mapping.items():
+            _flatten(v, str(k), flat)
+        for key, value in flat.items():
+            target = self._rename(key)
+            if target != key and target in flat:
+                if flat[target] != value:
+                    self.errors.append(
+                        f"{key}={value!r} and {target}={flat[target]!r} ({source}) set the same option "
+                        f"differently; keep only {target}"
+                    )
+                continue  # the canonical spelling in the same layer wins
+            self._set(target, value, source)
+
+    @staticmethod
+    def _rename(key: str) -> str:
+        for old, new in RENAMED_KEYS.items():
+            if key == old or key.startswith(old + "."):
+                return new + key[len(old) :]
+        return key
+
+    def _set(self, key: str, value: Any, source: str) -> None:
+        info = schema_keys()
+        ignored = find_ignored(key) if key not in info else None
+        if ignored is not None:
+            if ignored.inert is not None and value not in ignored.inert:
+                allowed = " or ".join(repr(v) for v in ignored.inert)
+                self.errors.append(
+                    f"{key}={value!r} ({source}) is not supported by the Megatron backend "
+                    f"({ignored.reason}); leave it out or set it to {allowed}"
+                )
+            else:
+                self.ignored[key] = ignored.reason
+            return
+        problem = _unknown_key_problem(key)
+        if problem:
+            self.errors.append(f"{problem} (set in {source})")
+            return
+        for existing in [k for k in self.values if k.startswith(key + ".")]:
+            del self.values[existing], self.origin[existing]
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in self.values and not isinstance(self.values[parent], dict):
+                del self.values[parent], self.origin[parent]
+        self.values[key] = value
+        self.origin[key] = source
+
+
+def _unknown_key_problem(key: str) -> str | None:
+    """None when ``key`` may be set; otherwise a message naming the nearest valid key."""
+    info = schema_keys()
+    if key in info:
+        return None
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        parent = info.get(".".join(parts[:i]))
+        if parent is None:
+            continue
+        if parent.open_dict:
+            return None
+        if not parent.section:
+            return f"{parent.key} is a value of type {parent.type_name}, not a section; {key} cannot be set"
+        break
+    if parts[0] == "defaults":
+        return "Hydra `defaults` lists are not supported; layer presets with `base: other.yaml` instead"
+    leaves = [k for k, v in info.items() if not v.section]
+    matches = difflib.get_close_matches(key, leaves, n=3, cutoff=0.6)
+    if not matches:
+        return f"unknown key {key!r}; no similar key exists (the schema is rlhf_megatron/config/schema*.py)"
+    others = f" (or: {', '.join(matches[1:])})" if len(matches) > 1 else ""
+    return f"unknown key {key!r}; did you mean {matches[0]!r}?{others}"
+
+
+def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
+    """Write every flat value into the structured config; one message per rejected value."""
+    info = schema_keys()
+    errors = []
+    for key, value in layers.values.items():
+        source = layers.origin[key]
+        parts = key.split(".")
+        # An optional section (model_arch) is None until one of its keys is set.
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            meta = info.get(prefix)
+            if meta and meta.section and meta.optional and OmegaConf.select(cfg, prefix) is None:
+                if i == len(parts) and value is None:
+                    break
+                OmegaConf.update(cfg, prefix, meta.section_type(), merge=False)
+        meta = info.get(key)
+        if meta is not None and meta.section and value is not None and value != {}:
+            errors.append(
+                f"{key} is a section ({meta.type_name}); set its keys, e.g. {key}.<name>=... ({source})"
+            )
+            continue
+        try:
+            OmegaConf.update(cfg, key, value, merge=True)
+        except OmegaConfBaseException as exc:
+            expected = meta.type_name if meta is not None else "a different type"
+            reason = str(exc).splitlines()[0]
+            errors.append(f"{key}={value!r} ({source}): expected {expected}; {reason}")
+    return errors
+
+
+def _walk_leaves(value: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, value
+
+
+def _resolve(cfg: DictConfig) -> list[str]:
+    """Check mandatory values and interpolations key by key, then resolve in place."""
+    raw = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    errors = []
+    for key, value in _walk_leaves(raw):
+        if value == "???":
+            errors.append(f"{key} is required but not set")
+        elif isinstance(value, str) and "${" in value:
+            try:
+                OmegaConf.select(cfg, key, throw_on_resolution_failure=True, throw_on_missing=True)
+            except InterpolationKeyError as exc:
+                errors.append(f"{key}={value}: {str(exc).splitlines()[0]}; point it at an existing key")
+            except OmegaConfBaseException as exc:
+                errors.append(f"{key}={value}: {str(exc).splitlines()[0]}")
+    if not errors:
+        OmegaConf.resolve(cfg)
+    return errors
+
+
+def _warn_ignored(ignored: dict[str, str]) -> None:
+    if not ignored:
+        return
+    lines = "\n".join(f"  {key}  ({reason})" for key, reason in sorted(ignored.items()))
+    warnings.warn(
+        f"{len(ignored)} config key(s) have no effect with the Megatron backend and were ignored:\n{lines}",
+        IgnoredKeysWarning,
+        stacklevel=3,
+    )
+
+
+def load_config(
+    config_file: str | os.PathLike | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+    validate: bool = True,
+) -> DictConfig:
+    """Build the run config: defaults <- ``config_file`` (and its ``base`` chain) <- ``overrides``.
+
+    Returns a structured (``RunConfig``), resolved DictConfig. With ``validate`` (the
+    default) it has also passed ``validate_config(cfg, world_size)`` and been normalised.
+    Raises ``ConfigError`` listing every problem found.
+    """
+    layers = _Layers()
+    if config_file is not None:
+        for source, mapping in read_preset_layers(config_file):
+            layers.add(source, mapping)
+    layers.add(COMMAND_LINE, parse_overrides(overrides))
+    if layers.errors:
+        raise ConfigError(layers.errors)
+
+    cfg = OmegaConf.structured(RunConfig)
+    errors = _apply(cfg, layers)
+    errors += _resolve(cfg) if not errors else []
+    if errors:
+        raise ConfigError(errors)
+    _warn_ignored(layers.ignored)
+
+    if validate:
+        # Imported here: validate/normalize import this module's siblings, not the reverse.
+        from rlhf_megatron.config.normalize import normalize_config
+        from rlhf_megatron.config.validate import validate_config
+
+        validate_config(cfg, world_size=world_size)
+        normalize_config(cfg, world_size=world_size)
+    return cfg
+
+
+def save_resolved_config(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> Path:
+    """Write ``cfg`` as YAML to ``<run_dir>/resolved_config.yaml`` atomically (temp file +
+    rename, so a reader never sees half a file). ``run_dir`` defaults to
+    ``trainer.default_local_dir``. Returns the path written."""
+    directory = Path(run_dir if run_dir is not None else cfg.trainer.default_local_dir).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / RESOLVED_CONFIG_NAME
+    fd, tmp = tempfile.mkstemp(prefix=f".{RESOLVED_CONFIG_NAME}.", dir=directory)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the run dir is shared with readers
+        with os.fdopen(fd, "w") as fh:
+            fh.write(OmegaConf.to_yaml(cfg, resolve=True))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,448 @@
+"""Per-GPU memory estimate of a config, before anything is launched (``rlhf-megatron plan``).
+
+Role: from the architecture numbers and the parallel layout, estimate what one GPU holds
+for every role and every phase of a PPO step, and whether the peak fits
+``trainer.gpu_memory_gb``. The model:
+
+* Training state per parameter on a GPU (Megatron mixed precision): bf16 weights (2 B),
+  fp32 main gradients (4 B), fp32 master weights + Adam m and v (12 B). The distributed
+  optimizer shards the 12 B over the DP group (Megatron's 6 + 12/DP bytes per parameter).
+  A rank holds its pipeline stage's layers / TP; the first stage adds the embedding, the
+  last the final norm and LM head (or value head).
+* Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models"), adapted to RMSNorm, GQA and SwiGLU without dropout (RL
+  fine-tuning runs with dropout 0): per token, 4h (norm inputs and outputs) + (2 q + 2 kv
+  + 3 ffn widths) in the activation dtype, plus 2 a s per token for the softmax when
+  attention is not recomputed. With sequence parallelism everything divides by TP,
+  otherwise the 4h part does not; CP divides the sequence. Selective recomputation drops
+  the softmax term; full recomputation keeps only each layer's input plus the layers being
+  recomputed. The first 1F1B stage holds PP micro-batches in flight (x (1 + (PP-1)/(PP VPP))
+  with interleaving); the last stage holds one plus the logits.
+* Logits of a micro-batch: bf16 logits, an fp32 copy and (training) an fp32 gradient,
+  vocab / TP per rank.
+* vLLM claims ``gpu_memory_utilization`` x GPU memory for weights (bf16 / rollout TP), its
+  profiling activations and the KV cache; the KV cache gets what is left.
+* Phases of a colocated step: weight sync, generation, old/ref log-probs, critic values,
+  critic update, actor update. Outside its own phase a role keeps what its offload flags
+  do not move to CPU; vLLM keeps its weights unless sleep mode offloads them, and its KV
+  cache unless ``free_cache_engine``/sleep mode frees it. The peak is the max over phases.
+
+Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe side.
+
+Boundaries: arithmetic only; reads a loaded config. The CLI wrapper is ``rlhf_megatron.cli``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_megatron.config import roles as roles_mod
+from rlhf_megatron.config.arch import arch_for_role, count_parameters, head_dim, kv_heads
+from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.roles import (
+    ACTOR_TRAIN_MICRO,
+    CRITIC_TRAIN_MICRO,
+    MICRO_BATCH_SPECS,
+    active_roles,
+    data_parallel_size,
+    megatron_section,
+)
+from rlhf_megatron.config.schema import ModelArchConfig
+
+__all__ = ["GIB", "MemoryPlan", "RoleMemory", "RolloutMemory", "format_plan", "plan_memory"]
+
+GIB = 1024**3
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# CUDA context, NCCL communicators and allocator fragmentation, per GPU, in every phase.
+RUNTIME_OVERHEAD_GIB = 3.0
+# In CPU mode: the process's own footprint (interpreter, torch, vLLM, gloo buffers).
+CPU_RUNTIME_OVERHEAD_GIB = 1.0
+# vLLM memory outside torch tensors (its own CUDA context share, NCCL for its TP group).
+VLLM_NON_TORCH_GIB = 0.5
+# CUDA graphs captured when enforce_eager is off.
+VLLM_CUDA_GRAPH_GIB = 1.0
+
+_SPECS = {spec.per_gpu_key: spec for spec in MICRO_BATCH_SPECS}
+# per-GPU micro-batch key -> the token budget used instead when dynamic batching is on
+_TOKEN_BUDGETS = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_micro_batch_size_per_gpu": "critic.forward_max_token_len_per_gpu",
+    "reward_model.micro_batch_size_per_gpu": "reward_model.forward_max_token_len_per_gpu",
+}
+
+
+@dataclass
+class RoleMemory:
+    """One role on its worst pipeline stage of one GPU (bytes; ``params`` is a count)."""
+
+    role: str
+    layout: str
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    optimizer_other: float  # with the other use_distributed_optimizer setting (not in totals)
+    activations: float  # training activations with the configured recompute
+    activations_other: float  # without recompute if configured, else selective (not in totals)
+    logits: float  # training logits
+    forward_activations: float  # log-prob / value / reward forward pass: one layer live
+    forward_logits: float
+    trains: bool
+    offload: dict[str, bool]
+
+    def _kept_state(self) -> float:
+        if not self.trains:
+            return 0.0
+        grads = 0.0 if self.offload["grad"] else self.grads
+        return grads + (0.0 if self.offload["optimizer"] else self.optimizer)
+
+    def resident(self) -> float:
+        """What stays on the GPU while other roles run."""
+        return (0.0 if self.offload["param"] else self.weights) + self._kept_state()
+
+    def with_weights(self) -> float:
+        """Resident state with the weights brought back (weight sync, forward passes)."""
+        return self.weights + self._kept_state()
+
+    def forward_phase(self) -> float:
+        """A forward-only pass (log-probs, values, rewards); offloaded grads/optimizer stay away."""
+        return self.with_weights() + self.forward_activations + self.forward_logits
+
+    def training_phase(self) -> float:
+        """An update: everything on the GPU."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+
+
+@dataclass
+class RolloutMemory:
+    """vLLM on one GPU (bytes)."""
+
+    tp: int
+    budget: float  # gpu_memory_utilization x GPU memory
+    weights: float
+    overhead: float
+    kv_cache: float
+    kv_bytes_per_token: float
+    sequence_tokens: int
+    sequences: int
+    keeps_weights: bool
+    keeps_kv: bool
+    bucket: float
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class MemoryPlan:
+    gpu_memory: float
+    world: int
+    sequence_tokens: int
+    roles: list[RoleMemory]
+    rollout: RolloutMemory
+    phases: list[Phase]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def _activation_per_layer(
+    arch: ModelArchConfig, m: DictConfig, tokens: float, seq: int, with_scores: bool
+) -> float:
+    """Bytes one layer keeps for backward for ``tokens`` tokens (micro-batch x sequence)."""
+    e = DTYPE_BYTES[m.params_dtype]
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    sp = m.sequence_parallel and tp > 1
+    h, d = arch.hidden_size, head_dim(arch)
+    q, kv = arch.num_attention_heads * d, kv_heads(arch) * d
+    local_tokens = tokens / cp
+    replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
+    split = (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) / tp  # q,k,v, attn out, fc1 (gate+up), fc2 input
+    per_token = e * (replicated + split)
+    if with_scores:  # softmax probabilities: heads/TP x (local) queries x keys
+        per_token += e * arch.num_attention_heads / tp * seq / cp
+    return local_tokens * per_token
+
+
+def _stage_activations(
+    arch: ModelArchConfig, m: DictConfig, tokens: float, seq: int, granularity: str | None
+) -> tuple[float, float]:
+    """(first stage, last stage) training activations, bytes, excluding logits."""
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    layers = arch.num_layers // pp
+    # 1F1B: the first stage runs PP forwards before its first backward. Interleaving (VPP)
+    # raises that by (1 + (PP - 1) / (PP x VPP)) (Korthikanti et al., section 4.2.3).
+    inflight = float(pp)
+    if vpp > 1:
+        inflight *= 1 + (pp - 1) / (pp * vpp)
+    full = _activation_per_layer(arch, m, tokens, seq, with_scores=granularity is None)
+    if granularity == "full":
+        e, tp, sp = DTYPE_BYTES[m.params_dtype], m.tensor_model_parallel_size, m.sequence_parallel
+        layer_input = e * tokens / m.context_parallel_size * arch.hidden_size / (tp if sp and tp > 1 else 1)
+        k = m.recompute_num_layers or 1
+        dense = _activation_per_layer(arch, m, tokens, seq, with_scores=True)
+        if m.recompute_method == "block":  # first k layers of the stage recomputed, rest stored
+            k = min(k, layers)
+            per_microbatch, transient = k * layer_input + (layers - k) * dense, dense
+        else:  # uniform: one checkpoint per k layers, k layers re-materialised at a time
+            per_microbatch, transient = math.ceil(layers / k) * layer_input, k * dense
+        return per_microbatch * inflight + transient, per_microbatch + transient
+    return layers * full * inflight, layers * full
+
+
+def _stage_params(arch: ModelArchConfig, pp: int, value_head: bool) -> list[int]:
+    """Parameter count of the first and the last pipeline stage (one entry when PP = 1)."""
+    c = count_parameters(arch, value_head=value_head)
+    layers = c.per_layer * (arch.num_layers // pp)
+    if pp == 1:
+        return [c.total]
+    # A tied LM head keeps a copy of the embedding on the last stage.
+    last_output = c.embedding if (arch.tie_word_embeddings and not value_head) else c.output
+    return [layers + c.embedding, layers + c.final_norm + last_output]
+
+
+def _micro_tokens(cfg: DictConfig, spec_key: str, seq: int) -> float:
+    """Tokens in one micro-batch of the pair whose per-GPU key is ``spec_key``."""
+    spec = _SPECS[spec_key]
+    if OmegaConf.select(cfg, spec.dynamic_key):
+        return float(OmegaConf.select(cfg, _TOKEN_BUDGETS[spec_key]))
+    micro = OmegaConf.select(cfg, spec.per_gpu_key) or 1
+    return float(micro * seq)
+
+
+# role -> (training micro-batch key or None, forward micro-batch key)
+_ROLE_MICRO_KEYS = {
+    "actor": (ACTOR_TRAIN_MICRO.per_gpu_key, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    "ref": (None, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    "critic": (CRITIC_TRAIN_MICRO.per_gpu_key, "critic.forward_micro_batch_size_per_gpu"),
+    "reward_model": (None, "reward_model.micro_batch_size_per_gpu"),
+}
+
+
+def _role_memory(cfg: DictConfig, role: str, arch: ModelArchConfig, world: int, seq: int) -> RoleMemory:
+    m = megatron_section(cfg, role)
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    dp = data_parallel_size(cfg, role, world) or 1
+    e = DTYPE_BYTES[m.params_dtype]
+    train_key, forward_key = _ROLE_MICRO_KEYS[role]
+    trains = train_key is not None
+    value_head = role in ("critic", "reward_model")
+    vocab = 0 if value_head else arch.vocab_size
+    master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
+    fwd_tokens = _micro_tokens(cfg, forward_key, seq)
+    fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, with_scores=True)
+    if trains:
+        tokens = _micro_tokens(cfg, train_key, seq)
+        acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity)
+        acts_other = _stage_activations(
+            arch, m, tokens, seq, None if m.recompute_granularity else "selective"
+        )
+
+    stages = _stage_params(arch, pp, value_head)
+    candidates = []
+    for stage, count in enumerate(stages):
+        local = count / tp
+        first, last = stage == 0, stage == len(stages) - 1
+        opt_full, opt_sharded = local * (master + 8), local * (master + 8) / dp
+        candidates.append(
+            RoleMemory(
+                role=role,
+                layout=f"TP{tp} PP{pp} VPP{m.virtual_pipeline_model_parallel_size or '-'} CP{cp} DP{dp}",
+                params=int(local),
+                weights=local * e,
+                grads=local * 4 if trains else 0.0,
+                optimizer=(opt_sharded if m.use_distributed_optimizer else opt_full) if trains else 0.0,
+                optimizer_other=(opt_full if m.use_distributed_optimizer else opt_sharded) if trains else 0.0,
+                activations=(acts[0] if first else acts[1]) if trains else 0.0,
+                activations_other=(acts_other[0] if first else acts_other[1]) if trains else 0.0,
+                # bf16 logits + fp32 copy (+ fp32 gradient when training), vocab / TP per rank
+                logits=tokens / cp * vocab / tp * (e + 8) if trains and last else 0.0,
+                forward_activations=fwd_act,
+                forward_logits=fwd_tokens / cp * vocab / tp * (e + 4) if last else 0.0,
+                trains=trains,
+                offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload},
+            )
+        )
+    return max(candidates, key=lambda r: max(r.training_phase() if trains else 0.0, r.forward_phase()))
+
+
+def _rollout_memory(cfg: DictConfig, arch: ModelArchConfig, gpu: float) -> RolloutMemory:
+    r = cfg.actor_rollout_ref.rollout
+    tp, e = r.tensor_model_parallel_size, DTYPE_BYTES[r.dtype]
+    weights = count_parameters(arch).total * e / tp
+    h, d, f = arch.hidden_size, head_dim(arch), arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, kv_heads(arch) * d
+    # vLLM's profiling forward over max_num_batched_tokens: widest live tensors of one layer,
+    # plus fp32 logits of the last token of each scheduled sequence (gathered over TP).
+    profile = r.max_num_batched_tokens * e * (2 * h + (q + 2 * kv) / tp + 2 * f / tp)
+    profile += min(r.max_num_seqs, r.max_num_batched_tokens) * arch.vocab_size * 4
+    overhead = profile + VLLM_NON_TORCH_GIB * GIB + (0 if r.enforce_eager else VLLM_CUDA_GRAPH_GIB * GIB)
+    budget = r.gpu_memory_utilization * gpu
+    kv_heads_per_gpu = max(1, kv_heads(arch) // tp)  # KV heads are replicated when TP exceeds them
+    kv_per_token = 2 * arch.num_layers * kv_heads_per_gpu * d * e
+    kv_cache = budget - weights - overhead
+    sequence_tokens = r.prompt_length + r.response_length
+    sequences = max(0, int(kv_cache // (kv_per_token * sequence_tokens)))
+    sleeps = r.enable_sleep_mode and cfg.trainer.device != "cpu"
+    return RolloutMemory(
+        tp=tp,
+        budget=budget,
+        weights=weights,
+        overhead=overhead,
+        kv_cache=kv_cache,
+        kv_bytes_per_token=kv_per_token,
+        sequence_tokens=sequence_tokens,
+        sequences=sequences,
+        keeps_weights=not sleeps,
+        keeps_kv=not (sleeps or r.free_cache_engine),
+        bucket=r.update_weights_bucket_megabytes * 1024**2,
+    )
+
+
+def _phases(roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float) -> list[Phase]:
+    """Per-GPU memory of each phase of one colocated PPO step, in step order."""
+    vllm_idle = (rollout.weights if rollout.keeps_weights else 0.0) + (
+        max(rollout.kv_cache, 0.0) if rollout.keeps_kv else 0.0
+    )
+
+    def phase(name: str, running: str | None, own: float, vllm: float) -> Phase:
+        parts = {role: (own if role == running else mem.resident()) for role, mem in roles.items()}
+        return Phase(name, parts | {"vllm": vllm, "runtime": runtime})
+
+    actor = roles["actor"]
+    # Weight sync: the actor's weights are gathered into vLLM's (awake) weights bucket by bucket.
+    phases = [
+        phase("weight sync", "actor", actor.with_weights(), rollout.weights + rollout.bucket),
+        phase("generate", None, 0.0, rollout.budget),
+        phase("old log-prob", "actor", actor.forward_phase(), vllm_idle),
+    ]
+    for role, name in (
+        ("ref", "ref log-prob"),
+        ("reward_model", "reward model"),
+        ("critic", "critic values"),
+    ):
+        if role in roles:
+            phases.append(phase(name, role, roles[role].forward_phase(), vllm_idle))
+    if "critic" in roles:
+        phases.append(phase("critic update", "critic", roles["critic"].training_phase(), vllm_idle))
+    phases.append(phase("actor update", "actor", actor.training_phase(), vllm_idle))
+    return phases
+
+
+def plan_memory(
+    cfg: DictConfig, gpu_memory_gb: float | None = None, world_size: int | None = None
+) -> MemoryPlan:
+    """Estimate per-GPU memory of every role and phase of a loaded config (see module doc).
+
+    ``gpu_memory_gb`` overrides ``trainer.gpu_memory_gb`` and ``world_size`` the trainer's
+    nnodes x n_gpus_per_node. Raises ``ConfigError`` when the
+    actor's architecture is unknown. ``MemoryPlan.problems`` lists why it does not fit.
+    """
+    gpu = (gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb) * GIB
+    world = roles_mod.world_size(cfg, world_size)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    archs = {role: arch_for_role(cfg, role) for role in active_roles(cfg)}
+    if archs["actor"][0] is None:
+        raise ConfigError(f"cannot plan memory: {archs['actor'][1]}; add a model_arch section to the preset")
+    roles = {}
+    skipped = []
+    for role, (arch, source) in archs.items():
+        if arch is None:
+            skipped.append(f"{role} ({source})")
+            continue
+        roles[role] = _role_memory(cfg, role, arch, world, seq)
+    rollout = _rollout_memory(cfg, archs["actor"][0], gpu)
+    runtime = CPU_RUNTIME_OVERHEAD_GIB if cfg.trainer.device == "cpu" else RUNTIME_OVERHEAD_GIB
+    phases = _phases(roles, rollout, runtime * GIB)
+    plan = MemoryPlan(
+        gpu_memory=gpu,
+        world=world,
+        sequence_tokens=seq,
+        roles=list(roles.values()),
+        rollout=rollout,
+        phases=phases,
+    )
+    for phase in phases:
+        if phase.total > gpu:
+            plan.problems.append(
+                f"{phase.name} needs {phase.total / GIB:.1f} GiB per GPU, more than the {gpu / GIB:.0f} GiB available"
+            )
+    if rollout.sequences < 1:
+        plan.problems.append(
+            f"vLLM's KV cache ({rollout.kv_cache / GIB:.1f} GiB after {rollout.weights / GIB:.1f} GiB of weights and "
+            f"{rollout.overhead / GIB:.1f} GiB overhead) cannot hold one {seq}-token sequence; raise "
+            "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"
+        )
+    plan.problems += [f"not planned: {s}" for s in skipped]
+    return plan
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:7.2f}"
+
+
+def format_plan(plan: MemoryPlan, title: str = "") -> str:
+    """The plan as a plain-text table (GiB per GPU)."""
+    lines = []
+    if title:
+        lines.append(f"memory plan: {title}")
+    lines.append(
+        f"world {plan.world} GPUs x {plan.gpu_memory / GIB:.0f} GiB; sequence {plan.sequence_tokens} tokens "
+        "(prompt + response); GiB per GPU, worst pipeline stage"
+    )
+    lines.append("")
+    header = f"{'role':<13}{'layout':<26}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'optim*':>9}{'activ':>9}{'activ*':>9}{'logits':>9}"
+    lines += [header, "-" * len(header)]
+    for r in plan.roles:
+        lines.append(
+            f"{r.role:<13}{r.layout:<26}{_count(r.params):>9}{_gib(r.weights):>9}{_gib(r.grads):>9}"
+            f"{_gib(r.optimizer):>9}{_gib(r.optimizer_other):>9}{_gib(r.activations):>9}"
+            f"{_gib(r.activations_other):>9}{_gib(r.logits):>9}"
+        )
+    lines.append("optim* = with the other use_distributed_optimizer setting; activ* = without the configured")
+    lines.append("recompute (or with selective recompute when none is configured). Neither is in the totals.")
+    ro = plan.rollout
+    lines += [
+        "",
+        f"vLLM (TP{ro.tp}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
+        f"{ro.overhead / GIB:.2f} + KV cache {ro.kv_cache / GIB:.2f} GiB",
+        f"  KV cache {ro.kv_bytes_per_token / 1024:.1f} KiB/token -> {ro.sequences} sequences of {ro.sequence_tokens} tokens",
+        "",
+    ]
+    names = list(dict.fromkeys(k for p in plan.phases for k in p.parts))
+    header = f"{'phase':<15}" + "".join(f"{n:>14}" for n in names) + f"{'total':>10}"
+    lines += [header, "-" * len(header)]
+    for p in plan.phases:
+        cells = "".join(f"{_gib(p.parts[n]) if n in p.parts else '-':>14}" for n in names)
+        lines.append(f"{p.name:<15}{cells}{_gib(p.total):>10}")
+    peak = plan.peak
+    lines.append("")
+    lines.append(
+        f"peak: {peak.name}, {peak.total / GIB:.2f} of {plan.gpu_memory / GIB:.0f} GiB "
+        f"({100 * peak.total / plan.gpu_memory:.0f}%) -> {'fits' if plan.fits else 'DOES NOT FIT'}"
+    )
+    lines += [f"  - {p}" for p in plan.problems]
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Which model roles a config runs, and the sizes that follow from the cluster shape.
+
+Role: shared vocabulary of ``validate.py``, ``normalize.py`` and ``planner.py``: the config
+section of each role, whether it is active, the world size, each role's data-parallel
+size, and the micro-batch key pairs (verl's global ``*micro_batch_size`` and
+``*micro_batch_size_per_gpu``) with the rule that turns one into the other.
+
+Boundaries: reads a resolved config; never changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = [
+    "ACTOR_TRAIN_MICRO",
+    "CRITIC_TRAIN_MICRO",
+    "MICRO_BATCH_SPECS",
+    "ROLE_SECTIONS",
+    "MicroBatchSpec",
+    "active_roles",
+    "critic_used",
+    "data_parallel_size",
+    "megatron_section",
+    "model_parallel_size",
+    "per_gpu_micro_batch",
+    "ref_used",
+    "world_size",
+]
+
+# Role -> config section holding its ``megatron`` layout.
+ROLE_SECTIONS: dict[str, str] = {
+    "actor": "actor_rollout_ref.actor",
+    "ref": "actor_rollout_ref.ref",
+    "critic": "critic",
+    "reward_model": "reward_model",
+}
+
+
+def critic_used(cfg: DictConfig) -> bool:
+    """The critic exists only for estimators that consume values; of ours, gae."""
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def ref_used(cfg: DictConfig) -> bool:
+    """The reference policy is built when a KL term (in the loss or the reward) needs it."""
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def active_roles(cfg: DictConfig) -> list[str]:
+    """Roles this run builds, in the order they are described."""
+    roles = ["actor"]
+    if ref_used(cfg):
+        roles.append("ref")
+    if critic_used(cfg):
+        roles.append("critic")
+    if cfg.reward_model.enable:
+        roles.append("reward_model")
+    return roles
+
+
+def world_size(cfg: DictConfig, override: int | None = None) -> int:
+    """Processes in the job: ``override`` if given, else nnodes x n_gpus_per_node. Every
+    role is colocated on all of them (the hybrid engine)."""
+    if override is not None:
+        return override
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def megatron_section(cfg: DictConfig, role: str) -> DictConfig:
+    return OmegaConf.select(cfg, f"{ROLE_SECTIONS[role]}.megatron")
+
+
+def model_parallel_size(cfg: DictConfig, role: str) -> int:
+    """TP x PP x CP of a role: the GPUs holding one model replica."""
+    m = megatron_section(cfg, role)
+    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+
+def data_parallel_size(cfg: DictConfig, role: str, world: int) -> int | None:
+    """world / (TP x PP x CP), or None when that does not divide (validation reports it)."""
+    mp = model_parallel_size(cfg, role)
+    if mp <= 0 or world % mp:
+        return None
+    return world // mp
+
+
+@dataclass(frozen=True)
+class MicroBatchSpec:
+    """A verl micro-batch key pair and the role whose DP size relates them."""
+
+    role: str
+    global_key: str
+    per_gpu_key: str
+    dynamic_key: str
+
+
+# The training micro-batches (forward + backward), one per trained role.
+ACTOR_TRAIN_MICRO = MicroBatchSpec(
+    "actor",
+    "actor_rollout_ref.actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.use_dynamic_bsz",
+)
+CRITIC_TRAIN_MICRO = MicroBatchSpec(
+    "critic", "critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.use_dynamic_bsz"
+)
+
+MICRO_BATCH_SPECS: tuple[MicroBatchSpec, ...] = (
+    ACTOR_TRAIN_MICRO,
+    # Old log-probs are recomputed by the actor's Megatron model, so the actor's DP applies.
+    MicroBatchSpec(
+        "actor",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    ),
+    MicroBatchSpec(
+        "ref",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+    ),
+    CRITIC_TRAIN_MICRO,
+    MicroBatchSpec(
+        "critic",
+        "critic.forward_micro_batch_size",
+        "critic.forward_micro_batch_size_per_gpu",
+        "critic.use_dynamic_bsz",
+    ),
+    MicroBatchSpec(
+        "reward_model",
+        "reward_model.micro_batch_size",
+        "reward_model.micro_batch_size_per_gpu",
+        "reward_model.use_dynamic_bsz",
+    ),
+)
+
+
+def per_gpu_micro_batch(cfg: DictConfig, spec: MicroBatchSpec, dp: int) -> tuple[int | None, str | None]:
+    """``(per_gpu_value, problem)`` for one key pair, as verl normalises it: the per-GPU key
+    wins; a global value is divided by the DP size and must divide evenly. Both set is
+    accepted when they agree (a saved resolved config has both)."""
+    global_value = OmegaConf.select(cfg, spec.global_key)
+    per_gpu = OmegaConf.select(cfg, spec.per_gpu_key)
+    if global_value is None:
+        return per_gpu, None
+    if global_value % dp:
+        return None, (
+            f"{spec.global_key}={global_value} is not divisible by the {spec.role}'s data-parallel size {dp}; "
+            f"set {spec.per_gpu_key} instead, or a multiple of {dp}"
+        )
+    derived = global_value // dp
+    if per_gpu is not None and per_gpu != derived:
+        return None, (
+            f"{spec.global_key}={global_value} (= {derived} per GPU at DP={dp}) contradicts "
+            f"{spec.per_gpu_key}={per_gpu}; set only one of them"
+        )
+    return derived, None

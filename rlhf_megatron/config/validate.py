@@ -1,0 +1,581 @@
+"""Cross-field rules a config must satisfy before any process starts.
+
+Role: ``validate_config`` runs every rule in ``RULES`` and raises one ``ConfigError``
+listing all violations. Each rule is a small function ``(ValidationContext) -> [message]``
+so it can be read and tested on its own; a message names the keys and their values and
+says what to change. Rules that need the model architecture (heads, layers, position
+limit) use ``model_arch`` or ``<model.path>/config.json``; when neither exists they are
+skipped with a warning.
+
+Boundaries: reads the config, never changes it (``normalize.py`` does that afterwards).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import gcd
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_megatron.config.arch import arch_for_role, arch_from_hf_config, head_dim, kv_heads, read_hf_config
+from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS, KL_CTRL_TYPES, registry_names
+from rlhf_megatron.config.roles import (
+    ACTOR_TRAIN_MICRO,
+    CRITIC_TRAIN_MICRO,
+    MICRO_BATCH_SPECS,
+    ROLE_SECTIONS,
+    active_roles,
+    critic_used,
+    data_parallel_size,
+    megatron_section,
+    per_gpu_micro_batch,
+    world_size,
+)
+from rlhf_megatron.config.schema import ModelArchConfig
+
+__all__ = ["RULES", "ArchUnknownWarning", "ValidationContext", "validate_config"]
+
+ROLLOUT = "actor_rollout_ref.rollout"
+ACTOR = "actor_rollout_ref.actor"
+
+
+class ArchUnknownWarning(UserWarning):
+    """The model architecture is unknown, so architecture-dependent rules were skipped."""
+
+
+@dataclass
+class ValidationContext:
+    """What every rule sees: the config, the world size, and each active role's architecture."""
+
+    cfg: DictConfig
+    world: int
+    roles: list[str]
+    archs: dict[str, tuple[ModelArchConfig | None, str]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, cfg: DictConfig, world_size_override: int | None = None) -> ValidationContext:
+        roles = active_roles(cfg)
+        archs = {role: arch_for_role(cfg, role) for role in roles}
+        return cls(cfg, world_size(cfg, world_size_override), roles, archs)
+
+    def get(self, key: str):
+        return OmegaConf.select(self.cfg, key)
+
+    def dp(self, role: str) -> int | None:
+        return data_parallel_size(self.cfg, role, self.world)
+
+
+Rule = Callable[[ValidationContext], list[str]]
+
+# key -> accepted values (None meaning null). Registry-backed names have their own rules.
+_MEGATRON_CHOICES = {
+    "params_dtype": ("bfloat16", "float16", "float32"),
+    "recompute_granularity": (None, "selective", "full"),
+    "recompute_method": (None, "uniform", "block"),
+}
+CHOICES: dict[str, tuple] = {
+    "data.truncation": ("error", "left", "right", "middle"),
+    f"{ROLLOUT}.name": ("vllm", "hf"),
+    f"{ROLLOUT}.mode": ("sync", "async"),
+    f"{ROLLOUT}.dtype": ("bfloat16", "float16", "float32"),
+    f"{ROLLOUT}.load_format": ("hf", "sharded", "dummy_megatron", "dummy_hf", "dummy_dtensor", "dummy"),
+    f"{ACTOR}.optim.warmup_style": ("constant", "cosine"),
+    "critic.optim.warmup_style": ("constant", "cosine"),
+    "reward.on_error": ("raise", "zero"),
+    "trainer.device": ("auto", "cuda", "cpu"),
+    **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
+}
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def check_strategy(ctx: ValidationContext) -> list[str]:
+    """Every active role's ``strategy`` must be megatron (verl's fsdp backend does not exist here)."""
+    out = []
+    for role in ctx.roles:
+        section = ROLE_SECTIONS[role]
+        value = ctx.get(f"{section}.strategy")
+        if value != "megatron":
+            out.append(
+                f"{section}.strategy={value!r}: this project trains with Megatron only; set it to megatron"
+            )
+    return out
+
+
+def check_choices(ctx: ValidationContext) -> list[str]:
+    """Enumerated string keys hold one of their allowed values."""
+    out = []
+    for key, allowed in CHOICES.items():
+        value = ctx.get(key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            out.append(f"{key}={value!r} is not one of: {shown}")
+    for section in (ACTOR, "critic"):
+        bad = [c for c in ctx.get(f"{section}.checkpoint.contents") if c not in CHECKPOINT_CONTENTS]
+        if bad:
+            out.append(
+                f"{section}.checkpoint.contents has {bad}; allowed entries: {', '.join(CHECKPOINT_CONTENTS)}"
+            )
+    return out
+
+
+def check_data_files(ctx: ValidationContext) -> list[str]:
+    """``data.train_files`` / ``val_files`` are a path or a list of paths."""
+    out = []
+    for key in ("data.train_files", "data.val_files"):
+        value = ctx.get(key)
+        ok = isinstance(value, str) or (
+            OmegaConf.is_list(value) and len(value) > 0 and all(isinstance(v, str) for v in value)
+        )
+        if not ok:
+            out.append(f"{key}={value!r}: expected a parquet path or a non-empty list of paths")
+    return out
+
+
+def check_resume_mode(ctx: ValidationContext) -> list[str]:
+    """``trainer.resume_mode`` is auto, disable, resume_path (with resume_from_path) or a path."""
+    mode = ctx.get("trainer.resume_mode")
+    if mode in ("auto", "disable"):
+        return []
+    if mode == "resume_path":
+        if not ctx.get("trainer.resume_from_path"):
+            return ["trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>"]
+        return []
+    if "/" in mode:
+        return []
+    return [
+        f"trainer.resume_mode={mode!r}: use auto, disable, resume_path, or a checkpoint path containing '/'"
+    ]
+
+
+def check_positive(ctx: ValidationContext) -> list[str]:
+    """Sizes and counts are at least 1 (micro-batch sizes only when set)."""
+    keys = [
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "trainer.nnodes",
+        "trainer.n_gpus_per_node",
+        "trainer.total_epochs",
+        f"{ACTOR}.ppo_mini_batch_size",
+        f"{ACTOR}.ppo_epochs",
+        f"{ROLLOUT}.tensor_model_parallel_size",
+        "critic.ppo_mini_batch_size",
+        "critic.ppo_epochs",
+    ]
+    for role in ctx.roles:
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            keys.append(f"{ROLE_SECTIONS[role]}.megatron.{k}")
+    optional = ["data.val_batch_size", f"{ROLLOUT}.max_model_len"]
+    optional += [f"{ROLE_SECTIONS[role]}.megatron.virtual_pipeline_model_parallel_size" for role in ctx.roles]
+    for spec in MICRO_BATCH_SPECS:
+        optional += [spec.global_key, spec.per_gpu_key]
+    out = [f"{k}={ctx.get(k)} must be >= 1" for k in keys if ctx.get(k) < 1]
+    out += [
+        f"{k}={ctx.get(k)} must be >= 1 (or null)"
+        for k in optional
+        if ctx.get(k) is not None and ctx.get(k) < 1
+    ]
+    return out
+
+
+def check_adv_estimator(ctx: ValidationContext) -> list[str]:
+    """``algorithm.adv_estimator`` names a registered estimator."""
+    known = registry_names("adv_estimator")
+    value = ctx.get("algorithm.adv_estimator")
+    if value in known:
+        return []
+    return [
+        f"algorithm.adv_estimator={value!r} is not a registered estimator; known: {', '.join(sorted(known))}"
+    ]
+
+
+def check_kl_names(ctx: ValidationContext) -> list[str]:
+    """KL estimator names (in-reward penalty and loss term) and the controller type exist."""
+    known = registry_names("kl_penalty")
+    out = []
+    for key in ("algorithm.kl_penalty", f"{ACTOR}.kl_loss_type"):
+        value = ctx.get(key)
+        if value not in known:
+            out.append(f"{key}={value!r} is not a KL estimator; known: {', '.join(known)}")
+    kl_type = ctx.get("algorithm.kl_ctrl.type")
+    if kl_type not in KL_CTRL_TYPES:
+        out.append(f"algorithm.kl_ctrl.type={kl_type!r} is not one of: {', '.join(KL_CTRL_TYPES)}")
+    return out
+
+
+def check_loss_agg_mode(ctx: ValidationContext) -> list[str]:
+    """Actor and critic ``loss_agg_mode`` are known aggregation modes."""
+    known = registry_names("loss_agg_mode")
+    out = []
+    for key in (f"{ACTOR}.loss_agg_mode", "critic.loss_agg_mode"):
+        value = ctx.get(key)
+        if value not in known:
+            out.append(f"{key}={value!r} is not a loss aggregation mode; known: {', '.join(known)}")
+    return out
+
+
+def check_policy_loss_mode(ctx: ValidationContext) -> list[str]:
+    """``actor.policy_loss.loss_mode`` names a registered policy loss."""
+    known = registry_names("policy_loss")
+    value = ctx.get(f"{ACTOR}.policy_loss.loss_mode")
+    if value in known:
+        return []
+    return [
+        f"{ACTOR}.policy_loss.loss_mode={value!r} is not a registered policy loss; known: {', '.join(sorted(known))}"
+    ]
+
+
+def check_clip_ratio_c(ctx: ValidationContext) -> list[str]:
+    """Dual-clip bound ``clip_ratio_c`` must exceed 1 (it bounds the ratio for negative advantages)."""
+    value = ctx.get(f"{ACTOR}.clip_ratio_c")
+    return [] if value > 1.0 else [f"{ACTOR}.clip_ratio_c={value} must be > 1.0 (verl's default is 3.0)"]
+
+
+def check_group_estimator_n(ctx: ValidationContext) -> list[str]:
+    """Group-baseline estimators need at least two responses per prompt."""
+    estimator, n = ctx.get("algorithm.adv_estimator"), ctx.get(f"{ROLLOUT}.n")
+    if estimator in GROUP_ADV_ESTIMATORS and n < 2:
+        return [
+            f"algorithm.adv_estimator={estimator} compares responses to the same prompt, but "
+            f"{ROLLOUT}.n={n}; set {ROLLOUT}.n to 2 or more (e.g. 5)"
+        ]
+    return []
+
+
+def check_sampling_ranges(ctx: ValidationContext) -> list[str]:
+    """Sampling parameters (rollout and validation) and vLLM's memory fraction are in range."""
+    out = []
+    for prefix in (ROLLOUT, f"{ROLLOUT}.val_kwargs"):
+        t, p, k, n = (ctx.get(f"{prefix}.{name}") for name in ("temperature", "top_p", "top_k", "n"))
+        if t < 0:
+            out.append(f"{prefix}.temperature={t} must be >= 0")
+        if not 0 < p <= 1:
+            out.append(f"{prefix}.top_p={p} must be in (0, 1]")
+        if k < -1:
+            out.append(f"{prefix}.top_k={k} must be >= -1 (-1 disables top-k)")
+        if n < 1:
+            out.append(f"{prefix}.n={n} must be >= 1")
+    util = ctx.get(f"{ROLLOUT}.gpu_memory_utilization")
+    if not 0 < util <= 1:
+        out.append(f"{ROLLOUT}.gpu_memory_utilization={util} must be in (0, 1] (a fraction of GPU memory)")
+    return out
+
+
+def _divisors_of_both(a: int, b: int) -> str:
+    g = gcd(a, b)
+    return ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+
+
+def check_model_arch_matches_checkpoint(ctx: ValidationContext) -> list[str]:
+    """A ``model_arch`` section agrees with ``<model.path>/config.json`` when both exist, so the
+    layout rules and the planner do not check a model other than the one that will load."""
+    arch, source = ctx.archs["actor"]
+    path = ctx.get("actor_rollout_ref.model.path")
+    hf = read_hf_config(path) if source == "model_arch" else None
+    if arch is None or hf is None:
+        return []
+    real = arch_from_hf_config(hf)
+    derived = {"num_key_value_heads": kv_heads, "head_dim": head_dim}
+    out = []
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "ffn_hidden_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "qkv_bias",
+        "max_position_embeddings",
+    ):
+        get = derived.get(name, lambda a, n=name: getattr(a, n))
+        if get(arch) != get(real):
+            out.append(
+                f"model_arch.{name}={get(arch)} but {path}/config.json has {get(real)}; "
+                "correct model_arch or remove the section to use config.json"
+            )
+    return out
+
+
+def check_tp_divides_heads(ctx: ValidationContext) -> list[str]:
+    """Each role's TP size divides its attention heads and query (KV) groups."""
+    out = []
+    for role in ctx.roles:
+        arch, source = ctx.archs[role]
+        if arch is None:
+            continue
+        tp = megatron_section(ctx.cfg, role).tensor_model_parallel_size
+        heads, groups = arch.num_attention_heads, kv_heads(arch)
+        if heads % tp or groups % tp:
+            out.append(
+                f"{ROLE_SECTIONS[role]}.megatron.tensor_model_parallel_size={tp} must divide num_attention_heads="
+                f"{heads} and num_key_value_heads={groups} ({source}); use one of: {_divisors_of_both(heads, groups)}"
+            )
+    return out
+
+
+def check_layers_divisible_by_pp(ctx: ValidationContext) -> list[str]:
+    """Layers split evenly over PP stages (and over VPP chunks per stage); VPP needs PP > 1."""
+    out = []
+    for role in ctx.roles:
+        m = megatron_section(ctx.cfg, role)
+        key = f"{ROLE_SECTIONS[role]}.megatron"
+        pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and pp == 1:
+            out.append(
+                f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1; "
+                "set it to null or raise PP"
+            )
+        arch, source = ctx.archs[role]
+        if arch is None:
+            continue
+        chunks = pp * (vpp or 1)
+        if arch.num_layers % chunks:
+            vpp_txt = f" x virtual_pipeline_model_parallel_size={vpp}" if vpp else ""
+            out.append(
+                f"num_layers={arch.num_layers} ({source}) is not divisible by {key}.pipeline_model_parallel_size="
+                f"{pp}{vpp_txt}; choose PP (x VPP) dividing {arch.num_layers}"
+            )
+    return out
+
+
+def check_world_divisible(ctx: ValidationContext) -> list[str]:
+    """The world size is a multiple of each role's TP x PP x CP (the rest is data parallel)."""
+    out = []
+    for role in ctx.roles:
+        m = megatron_section(ctx.cfg, role)
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        if ctx.dp(role) is None:
+            out.append(
+                f"world size {ctx.world} (trainer.nnodes x trainer.n_gpus_per_node) is not divisible by "
+                f"{ROLE_SECTIONS[role]}.megatron TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}; "
+                "change the parallel sizes or the number of GPUs"
+            )
+    return out
+
+
+def _trained_roles(ctx: ValidationContext) -> list[tuple[str, str]]:
+    roles = [("actor", ACTOR)]
+    if critic_used(ctx.cfg):
+        roles.append(("critic", "critic"))
+    return roles
+
+
+def check_mini_batch_divides_train_batch(ctx: ValidationContext) -> list[str]:
+    """``train_batch_size x n`` splits into whole mini-batches of ``ppo_mini_batch_size x n``."""
+    train, n = ctx.get("data.train_batch_size"), ctx.get(f"{ROLLOUT}.n")
+    out = []
+    for _, section in _trained_roles(ctx):
+        mini = ctx.get(f"{section}.ppo_mini_batch_size")
+        if mini > train or (train * n) % (mini * n):
+            out.append(
+                f"data.train_batch_size x rollout.n = {train} x {n} is not a multiple of "
+                f"{section}.ppo_mini_batch_size x rollout.n = {mini} x {n}; pick a mini-batch size dividing {train}"
+            )
+    return out
+
+
+def check_batch_divisible_by_dp(ctx: ValidationContext) -> list[str]:
+    """The rollout batch and every mini-batch (in responses) split evenly over DP ranks."""
+    train, n = ctx.get("data.train_batch_size"), ctx.get(f"{ROLLOUT}.n")
+    out = []
+    for role, section in _trained_roles(ctx):
+        dp = ctx.dp(role)
+        if dp is None:
+            continue
+        mini = ctx.get(f"{section}.ppo_mini_batch_size")
+        for what, size in (("data.train_batch_size", train), (f"{section}.ppo_mini_batch_size", mini)):
+            if (size * n) % dp:
+                out.append(
+                    f"{what} x rollout.n = {size} x {n} = {size * n} responses cannot be split evenly over the "
+                    f"{role}'s {dp} data-parallel ranks; make it a multiple of {dp}"
+                )
+    return out
+
+
+def check_micro_batch_sizes(ctx: ValidationContext) -> list[str]:
+    """Each micro-batch pair is given (unless dynamic batching) and converts to a per-GPU size."""
+    out, missing = [], set()
+    for spec in MICRO_BATCH_SPECS:
+        dp = ctx.dp(spec.role)
+        if spec.role not in ctx.roles or dp is None:
+            continue
+        per_gpu, problem = per_gpu_micro_batch(ctx.cfg, spec, dp)
+        if problem:
+            out.append(problem)
+        elif per_gpu is None and not ctx.get(spec.dynamic_key):
+            missing.add(spec)
+            # critic.forward_* defaults to critic.ppo_*: one message covers both.
+            if spec.role == "critic" and CRITIC_TRAIN_MICRO in missing and spec is not CRITIC_TRAIN_MICRO:
+                continue
+            out.append(f"set {spec.per_gpu_key} (or {spec.global_key}), or turn on {spec.dynamic_key}")
+    return out
+
+
+def check_mini_batch_divisible_by_micro(ctx: ValidationContext) -> list[str]:
+    """A DP rank's share of a mini-batch is a whole number of micro-batches."""
+    n = ctx.get(f"{ROLLOUT}.n")
+    out = []
+    for spec, section in ((ACTOR_TRAIN_MICRO, ACTOR), (CRITIC_TRAIN_MICRO, "critic")):
+        dp = ctx.dp(spec.role)
+        if spec.role not in ctx.roles or dp is None or ctx.get(spec.dynamic_key):
+            continue
+        mini = ctx.get(f"{section}.ppo_mini_batch_size")
+        micro, problem = per_gpu_micro_batch(ctx.cfg, spec, dp)
+        if problem or micro is None or (mini * n) % dp:
+            continue  # reported by the rules above
+        share = mini * n // dp
+        if share % micro:
+            out.append(
+                f"{section}.ppo_mini_batch_size x rollout.n / DP = {mini} x {n} / {dp} = {share} responses per rank "
+                f"is not a multiple of the micro-batch {spec.per_gpu_key}={micro}; choose a micro-batch dividing {share}"
+            )
+    return out
+
+
+def check_dynamic_bsz_token_budget(ctx: ValidationContext) -> list[str]:
+    """With dynamic batching, one micro-batch's token budget holds at least one full sequence."""
+    seq = ctx.get("data.max_prompt_length") + ctx.get("data.max_response_length")
+    pairs = [
+        (f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu"),
+        (f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu"),
+    ]
+    if "ref" in ctx.roles:
+        pairs.append(
+            (
+                "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            )
+        )
+    if "critic" in ctx.roles:
+        pairs += [
+            ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu"),
+            ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_gpu"),
+        ]
+    out = []
+    for flag, budget_key in pairs:
+        budget = ctx.get(budget_key)
+        if ctx.get(flag) and budget < seq:
+            out.append(
+                f"{budget_key}={budget} is shorter than one sequence (max_prompt_length + max_response_length = "
+                f"{seq}); raise it to at least {seq}"
+            )
+    return out
+
+
+def check_rollout_tp(ctx: ValidationContext) -> list[str]:
+    """vLLM's TP size divides the actor's world and the model's attention heads."""
+    key = f"{ROLLOUT}.tensor_model_parallel_size"
+    tp = ctx.get(key)
+    out = []
+    if ctx.world % tp:
+        out.append(f"{key}={tp} does not divide the world size {ctx.world}; choose a divisor of {ctx.world}")
+    arch, source = ctx.archs["actor"]
+    if arch is not None:
+        heads, groups = arch.num_attention_heads, kv_heads(arch)
+        if heads % tp:
+            out.append(f"{key}={tp} does not divide num_attention_heads={heads} ({source})")
+        # vLLM replicates KV heads when TP exceeds them, which needs TP to be a multiple.
+        if groups % tp and tp % groups:
+            out.append(f"{key}={tp} and num_key_value_heads={groups} ({source}) must divide one another")
+    return out
+
+
+def check_sequence_fits_positions(ctx: ValidationContext) -> list[str]:
+    """Prompt + response fit the model's position limit and vLLM's context length."""
+    prompt, response = ctx.get("data.max_prompt_length"), ctx.get("data.max_response_length")
+    out = []
+    arch, source = ctx.archs["actor"]
+    if arch is not None and prompt + response > arch.max_position_embeddings:
+        out.append(
+            f"data.max_prompt_length + data.max_response_length = {prompt} + {response} = {prompt + response} "
+            f"exceeds max_position_embeddings={arch.max_position_embeddings} ({source}); shorten them"
+        )
+    max_model_len = ctx.get(f"{ROLLOUT}.max_model_len")
+    if max_model_len is not None and max_model_len < prompt + response:
+        out.append(
+            f"{ROLLOUT}.max_model_len={max_model_len} is shorter than max_prompt_length + max_response_length = "
+            f"{prompt + response}; raise it or set it to null"
+        )
+    return out
+
+
+def check_recompute(ctx: ValidationContext) -> list[str]:
+    """Recompute method and layer count go with full granularity only, as in Megatron."""
+    out = []
+    for role in ctx.roles:
+        m = megatron_section(ctx.cfg, role)
+        key = f"{ROLE_SECTIONS[role]}.megatron"
+        if m.recompute_granularity != "full" and (m.recompute_method or m.recompute_num_layers):
+            out.append(
+                f"{key}.recompute_method/recompute_num_layers apply to recompute_granularity=full only "
+                f"(it is {m.recompute_granularity}); set them to null or use full"
+            )
+        if m.recompute_num_layers is not None and m.recompute_num_layers < 1:
+            out.append(f"{key}.recompute_num_layers={m.recompute_num_layers} must be >= 1")
+    return out
+
+
+RULES: tuple[Rule, ...] = (
+    check_strategy,
+    check_choices,
+    check_data_files,
+    check_resume_mode,
+    check_positive,
+    check_adv_estimator,
+    check_kl_names,
+    check_loss_agg_mode,
+    check_policy_loss_mode,
+    check_clip_ratio_c,
+    check_group_estimator_n,
+    check_sampling_ranges,
+    check_model_arch_matches_checkpoint,
+    check_tp_divides_heads,
+    check_layers_divisible_by_pp,
+    check_world_divisible,
+    check_mini_batch_divides_train_batch,
+    check_batch_divisible_by_dp,
+    check_micro_batch_sizes,
+    check_mini_batch_divisible_by_micro,
+    check_dynamic_bsz_token_budget,
+    check_rollout_tp,
+    check_sequence_fits_positions,
+    check_recompute,
+)
+
+# Rules whose arithmetic divides by or compares sizes; they run only when the sizes
+# themselves are valid, so one mistake is not reported three times.
+_SIZE_RULES = RULES[RULES.index(check_tp_divides_heads) :]
+
+
+def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
+    """Run every rule; raise ``ConfigError`` listing all violations.
+
+    ``world_size`` overrides ``trainer.nnodes x trainer.n_gpus_per_node`` (a launcher that
+    knows the real number of processes passes it).
+    """
+    ctx = ValidationContext.build(cfg, world_size)
+    unknown = sorted({source for arch, source in ctx.archs.values() if arch is None})
+    if unknown:
+        warnings.warn(
+            "model architecture unknown ("
+            + "; ".join(unknown)
+            + "): head, layer and position checks skipped. "
+            "Add a model_arch section or point model.path at a directory with config.json.",
+            ArchUnknownWarning,
+            stacklevel=2,
+        )
+    errors: list[str] = []
+    sizes_ok = True
+    for rule in RULES:
+        if rule in _SIZE_RULES and not sizes_ok:
+            continue
+        found = rule(ctx)
+        sizes_ok = sizes_ok and not (rule is check_positive and found)
+        errors += found
+    if errors:
+        raise ConfigError(errors)

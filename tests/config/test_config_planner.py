@@ -1,0 +1,214 @@
+"""The memory planner: parameter counts, per-role state, activations, vLLM, phases, CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cfg_helpers import make_cfg
+
+from rlhf_megatron import cli
+from rlhf_megatron.config import ConfigError, ModelArchConfig, load_config
+from rlhf_megatron.config.arch import arch_for_role, count_parameters
+from rlhf_megatron.config.planner import GIB, _stage_activations, format_plan, plan_memory
+from rlhf_megatron.config.presets import CONFIGS_DIR
+
+MODEL_PRESETS = sorted(p.relative_to(CONFIGS_DIR).as_posix() for p in (CONFIGS_DIR / "models").glob("*.yaml"))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _arch(preset: str) -> ModelArchConfig:
+    arch, source = arch_for_role(load_config(preset, []), "actor")
+    assert source == "model_arch"
+    return arch
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [
+        ("models/llama3.1_8b.yaml", 8.03e9),
+        ("models/llama3.1_70b.yaml", 70.55e9),
+        ("models/qwen2.5_7b.yaml", 7.61e9),
+        ("models/qwen2.5_72b.yaml", 72.7e9),
+        ("models/llama2_7b.yaml", 6.74e9),
+        ("models/qwen2.5_14b.yaml", 14.77e9),
+        ("models/qwen2.5_32b.yaml", 32.76e9),
+        ("examples/countdown_grpo.yaml", 3.09e9),
+    ],
+)
+def test_parameter_counts_match_published_totals(preset, published):
+    total = count_parameters(_arch(preset)).total
+    assert abs(total - published) / published < 0.005, f"{total / 1e9:.3f}B vs {published / 1e9}B"
+
+
+def test_exact_counts_for_known_checkpoints():
+    # Sums of the tensor sizes in the released safetensors.
+    assert count_parameters(_arch("models/llama3.1_8b.yaml")).total == 8_030_261_248
+    assert count_parameters(_arch("models/qwen2.5_32b.yaml")).total == 32_763_876_352
+
+
+def test_critic_swaps_the_lm_head_for_a_value_head():
+    arch = _arch("models/llama3.1_8b.yaml")
+    lm, critic = count_parameters(arch), count_parameters(arch, value_head=True)
+    assert lm.total - critic.total == arch.vocab_size * arch.hidden_size - arch.hidden_size
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_every_model_preset_fits_its_declared_hardware(preset):
+    cfg = load_config(preset, [])
+    assert cfg.trainer.gpu_memory_gb == 80 and cfg.trainer.n_gpus_per_node == 8
+    plan = plan_memory(cfg)
+    assert plan.fits, format_plan(plan, preset)
+    assert plan.rollout.sequences >= 1
+    assert cli.main(["plan", preset]) == 0
+
+
+def test_there_is_a_preset_for_every_model_the_project_promises():
+    assert MODEL_PRESETS == [
+        "models/llama2_7b.yaml",
+        "models/llama3.1_70b.yaml",
+        "models/llama3.1_8b.yaml",
+        "models/qwen2.5_14b.yaml",
+        "models/qwen2.5_32b.yaml",
+        "models/qwen2.5_72b.yaml",
+        "models/qwen2.5_7b.yaml",
+    ]
+
+
+OVERSIZED = [
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
+    "critic.megatron.tensor_model_parallel_size=1",
+    "critic.megatron.pipeline_model_parallel_size=1",
+    "critic.megatron.virtual_pipeline_model_parallel_size=null",
+    "trainer.nnodes=1",
+]
+
+
+def test_planner_rejects_70b_without_model_parallelism(capsys):
+    plan = plan_memory(load_config("models/llama3.1_70b.yaml", OVERSIZED))
+    assert not plan.fits
+    assert any("actor update needs" in p for p in plan.problems)
+    actor = next(r for r in plan.roles if r.role == "actor")
+    assert actor.weights > 130 * GIB  # 70.55B bf16 weights on one GPU
+    assert cli.main(["plan", "models/llama3.1_70b.yaml", *OVERSIZED]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_planner_rejects_a_kv_cache_that_cannot_hold_one_sequence():
+    plan = plan_memory(
+        load_config("models/llama3.1_70b.yaml", ["actor_rollout_ref.rollout.gpu_memory_utilization=0.2"])
+    )
+    assert not plan.fits
+    assert any("cannot hold one 3072-token sequence" in p for p in plan.problems)
+
+
+def test_optimizer_state_with_and_without_distributed_optimizer():
+    plan = plan_memory(load_config("models/llama3.1_8b.yaml", []))  # TP2, DP4, distributed optimizer
+    actor = next(r for r in plan.roles if r.role == "actor")
+    assert actor.weights == pytest.approx(actor.params * 2)
+    assert actor.grads == pytest.approx(actor.params * 4)
+    assert actor.optimizer == pytest.approx(actor.params * 12 / 4)
+    assert actor.optimizer_other == pytest.approx(actor.params * 12)
+    no_dist = plan_memory(
+        load_config(
+            "models/llama3.1_8b.yaml", ["actor_rollout_ref.actor.megatron.use_distributed_optimizer=False"]
+        )
+    )
+    actor_nd = next(r for r in no_dist.roles if r.role == "actor")
+    assert actor_nd.optimizer == pytest.approx(actor.optimizer_other)
+
+
+def _actor(*overrides: str):
+    plan = plan_memory(make_cfg(*overrides, validate=True))
+    return next(r for r in plan.roles if r.role == "actor")
+
+
+def test_activation_formula_by_hand():
+    # Tiny arch: h=256, 4 heads x 64, 2 KV heads, ffn 512; bf16, TP=1, micro-batch 4, 1024 tokens.
+    actor = _actor("actor_rollout_ref.actor.megatron.recompute_granularity=selective")
+    tokens = 4 * 1024
+    per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512)
+    assert actor.activations == pytest.approx(4 * tokens * per_token_layer)
+    # Without recompute the softmax probabilities add heads x sequence per token.
+    assert actor.activations_other == pytest.approx(4 * tokens * (per_token_layer + 2 * 4 * 1024))
+
+
+def test_recompute_and_tensor_parallelism_shrink_activations():
+    none = _actor().activations
+    selective = _actor("actor_rollout_ref.actor.megatron.recompute_granularity=selective").activations
+    full = _actor("actor_rollout_ref.actor.megatron.recompute_granularity=full").activations
+    assert full < selective < none
+    tp2 = _actor(
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.recompute_granularity=selective",
+    ).activations
+    assert tp2 == pytest.approx(selective / 2)  # sequence parallel splits the norm activations too
+
+
+def test_first_pipeline_stage_holds_pp_microbatches_in_flight():
+    selective = "actor_rollout_ref.actor.megatron.recompute_granularity=selective"
+    pp1 = _actor(selective).activations
+    cfg = make_cfg(selective, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
+    arch, m = cfg.model_arch, cfg.actor_rollout_ref.actor.megatron
+    first, last = _stage_activations(arch, m, 4 * 1024, 1024, "selective")
+    assert first == pytest.approx(pp1)  # half the layers x 2 micro-batches in flight
+    assert last == pytest.approx(pp1 / 2)  # half the layers x 1
+    m.virtual_pipeline_model_parallel_size = 2
+    first_vpp, _ = _stage_activations(arch, m, 4 * 1024, 1024, "selective")
+    assert first_vpp == pytest.approx(pp1 * (1 + 1 / 4))  # interleaving: x (1 + (pp - 1) / (pp * vpp))
+
+
+def test_kv_cache_per_token_and_capacity():
+    plan = plan_memory(load_config("models/llama3.1_70b.yaml", []))
+    ro = plan.rollout
+    assert ro.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # K and V, 80 layers, 8 KV heads / TP 8, bf16
+    assert ro.weights == pytest.approx(count_parameters(_arch("models/llama3.1_70b.yaml")).total * 2 / 8)
+    assert ro.kv_cache == pytest.approx(0.5 * 80 * GIB - ro.weights - ro.overhead)
+    assert ro.sequences == int(ro.kv_cache // (ro.kv_bytes_per_token * 3072))
+
+
+def test_offload_flags_take_state_out_of_other_phases():
+    base = plan_memory(load_config("models/llama3.1_8b.yaml", []))
+    kept = plan_memory(
+        load_config(
+            "models/llama3.1_8b.yaml",
+            [
+                "actor_rollout_ref.actor.megatron.grad_offload=False",
+                "actor_rollout_ref.actor.megatron.optimizer_offload=False",
+            ],
+        )
+    )
+    gen = {p.name: p for p in base.phases}["generate"]
+    gen_kept = {p.name: p for p in kept.phases}["generate"]
+    actor = next(r for r in kept.roles if r.role == "actor")
+    assert gen_kept.parts["actor"] - gen.parts["actor"] == pytest.approx(actor.grads + actor.optimizer)
+    # During its own update everything is back on the GPU either way.
+    update = {p.name: p for p in base.phases}["actor update"]
+    assert update.parts["actor"] == pytest.approx(
+        actor.weights + actor.grads + actor.optimizer + actor.activations + actor.logits
+    )
+
+
+def test_plan_needs_an_architecture():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=/nonexistent",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+        ],
+        validate=False,
+    )
+    with pytest.raises(ConfigError, match="cannot plan memory: no model_arch section"):
+        plan_memory(cfg)
+
+
+def test_docs_plan_of_llama_70b_is_current(capsys):
+    """docs/plan_llama3.1_70b.txt is the CLI's output; regenerate it when the planner changes:
+    rlhf-megatron plan models/llama3.1_70b > docs/plan_llama3.1_70b.txt"""
+    assert cli.main(["plan", "models/llama3.1_70b"]) == 0
+    current = capsys.readouterr().out
+    assert (REPO / "docs" / "plan_llama3.1_70b.txt").read_text() == current

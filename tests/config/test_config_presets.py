@@ -1,0 +1,156 @@
+"""Shipped presets: each loads, validates without warnings, and carries published numbers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlhf_megatron.config import load_config
+from rlhf_megatron.config.presets import CONFIGS_DIR, list_presets, read_preset_layers
+
+PRESETS = [p.relative_to(CONFIGS_DIR).as_posix() for p in list_presets()]
+
+# Architecture numbers from the models' published config.json files.
+PUBLISHED = {
+    "models/llama2_7b.yaml": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        ffn_hidden_size=11008,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        max_position_embeddings=4096,
+    ),
+    "models/llama3.1_8b.yaml": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        rope_theta=500000.0,
+    ),
+    "models/qwen2.5_7b.yaml": dict(
+        num_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        ffn_hidden_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+    ),
+    "models/qwen2.5_14b.yaml": dict(
+        num_layers=48,
+        hidden_size=5120,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        ffn_hidden_size=13824,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
+    "models/qwen2.5_32b.yaml": dict(
+        num_layers=64,
+        hidden_size=5120,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        ffn_hidden_size=27648,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
+    "models/llama3.1_70b.yaml": dict(
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        ffn_hidden_size=28672,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
+    "models/qwen2.5_72b.yaml": dict(
+        num_layers=80,
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        ffn_hidden_size=29568,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
+}
+
+
+def test_the_promised_presets_exist():
+    for name in [
+        "quickstart_cpu.yaml",
+        "quickstart_cpu_ppo.yaml",
+        "examples/gsm8k_ppo.yaml",
+        "examples/gsm8k_grpo.yaml",
+        "examples/countdown_grpo.yaml",
+        *PUBLISHED,
+    ]:
+        assert name in PRESETS
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_loads_and_validates_without_warnings(preset):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ignored keys, no unknown architecture
+        cfg = load_config(preset, [])
+    assert cfg.model_arch is not None
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_model_preset_architecture_is_the_published_one(preset):
+    arch = OmegaConf.to_container(load_config(preset, []).model_arch)
+    for key, value in PUBLISHED[preset].items():
+        assert arch[key] == value, key
+
+
+def test_quickstart_cpu_matches_the_spec():
+    cfg = load_config("quickstart_cpu", [])
+    arch = cfg.model_arch
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads) == (
+        4,
+        256,
+        4,
+        2,
+    )
+    assert arch.head_dim == 64 and arch.vocab_size < 1000
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 4
+    assert (cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == ("cpu", 2, 1)
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (32, 16)
+    assert cfg.actor_rollout_ref.model.path == "outputs/tiny_model"
+    assert cfg.data.train_files == "outputs/data/arith/train.parquet"
+    assert cfg.data.val_files == "outputs/data/arith/test.parquet"
+    assert list(cfg.trainer.logger) == ["console", "jsonl"]
+
+
+def test_quickstart_cpu_ppo_layers_on_the_grpo_one():
+    layers = read_preset_layers("quickstart_cpu_ppo")
+    assert [layer[0].rsplit("/", 1)[1] for layer in layers] == [
+        "quickstart_cpu.yaml",
+        "quickstart_cpu_ppo.yaml",
+    ]
+    cfg = load_config("quickstart_cpu_ppo", [])
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 4
+    assert cfg.model_arch.num_layers == 4  # inherited
+
+
+def test_examples_layer_on_model_presets():
+    grpo = load_config("examples/gsm8k_grpo", [])
+    assert grpo.model_arch.hidden_size == 3584 and grpo.actor_rollout_ref.rollout.n == 5
+    assert load_config("examples/gsm8k_ppo", []).model_arch.vocab_size == 128256
+
+
+def test_quickstart_vocabulary_is_the_tiny_tokenizers():
+    # tools/make_tiny_model.py sizes the model's vocabulary to this tokenizer.
+    tokenizer = pytest.importorskip("rlhf_megatron.data.tokenizer")
+    assert len(tokenizer.build_tiny_tokenizer()) == load_config("quickstart_cpu", []).model_arch.vocab_size

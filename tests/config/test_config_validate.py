@@ -1,0 +1,356 @@
+"""Validation rules: each rule is triggered on its own and its message is checked."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from cfg_helpers import make_cfg, write_hf_config
+
+from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, validate_config
+from rlhf_megatron.config import validate as V
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+
+# rule -> (overrides on top of the valid base config, substrings its message must contain)
+CASES = {
+    V.check_strategy: (
+        [f"{A}.strategy=fsdp"],
+        [
+            "actor_rollout_ref.actor.strategy='fsdp': this project trains with Megatron only; set it to megatron"
+        ],
+    ),
+    V.check_choices: (
+        ["data.truncation=sideways", f"{A}.megatron.recompute_granularity=some"],
+        [
+            "data.truncation='sideways' is not one of: error, left, right, middle",
+            "actor_rollout_ref.actor.megatron.recompute_granularity='some' is not one of: null, selective, full",
+        ],
+    ),
+    V.check_data_files: (
+        ["data.train_files=[]"],
+        ["data.train_files=[]: expected a parquet path or a non-empty list of paths"],
+    ),
+    V.check_resume_mode: (
+        ["trainer.resume_mode=autp"],
+        ["trainer.resume_mode='autp': use auto, disable, resume_path, or a checkpoint path containing '/'"],
+    ),
+    V.check_positive: (
+        ["data.train_batch_size=0", f"{A}.megatron.tensor_model_parallel_size=0"],
+        [
+            "data.train_batch_size=0 must be >= 1",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0 must be >= 1",
+        ],
+    ),
+    V.check_adv_estimator: (
+        ["algorithm.adv_estimator=grpoo"],
+        [
+            "algorithm.adv_estimator='grpoo' is not a registered estimator; known: gae, grpo, grpo_passk, "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"
+        ],
+    ),
+    V.check_kl_names: (
+        ["algorithm.kl_penalty=k9", f"{A}.kl_loss_type=lowvar", "algorithm.kl_ctrl.type=pid"],
+        [
+            "algorithm.kl_penalty='k9' is not a KL estimator; known: kl, k1",
+            "actor_rollout_ref.actor.kl_loss_type='lowvar' is not a KL estimator",
+            "algorithm.kl_ctrl.type='pid' is not one of: fixed, adaptive",
+        ],
+    ),
+    V.check_loss_agg_mode: (
+        [f"{A}.loss_agg_mode=token-sum"],
+        [
+            "actor_rollout_ref.actor.loss_agg_mode='token-sum' is not a loss aggregation mode; known: token-mean",
+            # the critic follows the actor's mode through an interpolation
+            "critic.loss_agg_mode='token-sum' is not a loss aggregation mode",
+        ],
+    ),
+    V.check_policy_loss_mode: (
+        [f"{A}.policy_loss.loss_mode=ppo2"],
+        ["actor_rollout_ref.actor.policy_loss.loss_mode='ppo2' is not a registered policy loss; known: "],
+    ),
+    V.check_clip_ratio_c: (
+        [f"{A}.clip_ratio_c=0.5"],
+        ["actor_rollout_ref.actor.clip_ratio_c=0.5 must be > 1.0"],
+    ),
+    V.check_group_estimator_n: (
+        ["algorithm.adv_estimator=grpo", f"{R}.n=1"],
+        [
+            "algorithm.adv_estimator=grpo compares responses to the same prompt, but actor_rollout_ref.rollout.n=1; "
+            "set actor_rollout_ref.rollout.n to 2 or more"
+        ],
+    ),
+    V.check_sampling_ranges: (
+        [
+            f"{R}.temperature=-0.1",
+            f"{R}.top_p=0",
+            f"{R}.top_k=-2",
+            f"{R}.val_kwargs.n=0",
+            f"{R}.val_kwargs.top_p=1.5",
+            f"{R}.gpu_memory_utilization=1.2",
+        ],
+        [
+            "actor_rollout_ref.rollout.temperature=-0.1 must be >= 0",
+            "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]",
+            "actor_rollout_ref.rollout.top_k=-2 must be >= -1",
+            "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1",
+            "actor_rollout_ref.rollout.val_kwargs.top_p=1.5 must be in (0, 1]",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=1.2 must be in (0, 1]",
+        ],
+    ),
+    # Needs a checkpoint on disk: the overrides are built from tmp_path.
+    V.check_model_arch_matches_checkpoint: (
+        lambda tmp: [f"actor_rollout_ref.model.path={write_hf_config(tmp / 'm', num_hidden_layers=4)}"],
+        [
+            "model_arch.hidden_size=256 but ",
+            "/m/config.json has 2048; correct model_arch or remove the section to use config.json",
+            "model_arch.vocab_size=384 but ",
+        ],
+    ),
+    V.check_tp_divides_heads: (
+        [f"{A}.megatron.tensor_model_parallel_size=4"],
+        [
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 must divide num_attention_heads=4 and "
+            "num_key_value_heads=2 (model_arch); use one of: 1, 2"
+        ],
+    ),
+    V.check_layers_divisible_by_pp: (
+        [
+            f"{A}.megatron.pipeline_model_parallel_size=2",
+            f"{A}.megatron.virtual_pipeline_model_parallel_size=4",
+        ],
+        [
+            "num_layers=4 (model_arch) is not divisible by actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"
+            " x virtual_pipeline_model_parallel_size=4"
+        ],
+    ),
+    V.check_world_divisible: (
+        ["trainer.n_gpus_per_node=6", f"{A}.megatron.pipeline_model_parallel_size=4"],
+        [
+            "world size 6 (trainer.nnodes x trainer.n_gpus_per_node) is not divisible by "
+            "actor_rollout_ref.actor.megatron TP x PP x CP = 1 x 4 x 1 = 4"
+        ],
+    ),
+    V.check_mini_batch_divides_train_batch: (
+        [f"{A}.ppo_mini_batch_size=100", "critic.ppo_mini_batch_size=256"],
+        [
+            "data.train_batch_size x rollout.n = 1024 x 1 is not a multiple of "
+            "actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = 100 x 1"
+        ],
+    ),
+    V.check_batch_divisible_by_dp: (
+        ["data.train_batch_size=36", f"{A}.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12"],
+        [
+            "data.train_batch_size x rollout.n = 36 x 1 = 36 responses cannot be split evenly over the actor's 8 "
+            "data-parallel ranks; make it a multiple of 8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n = 12 x 1 = 12 responses cannot be split evenly",
+        ],
+    ),
+    V.check_micro_batch_sizes: (
+        [
+            f"{A}.ppo_micro_batch_size_per_gpu=null",
+            f"{A}.ppo_micro_batch_size=12",
+            f"{R}.log_prob_micro_batch_size=64",
+            f"{R}.log_prob_micro_batch_size_per_gpu=4",
+            "critic.ppo_micro_batch_size_per_gpu=null",
+        ],
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size=12 is not divisible by the actor's data-parallel size 8; "
+            "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead, or a multiple of 8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size=64 (= 8 per GPU at DP=8) contradicts "
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4; set only one of them",
+            "set critic.ppo_micro_batch_size_per_gpu (or critic.ppo_micro_batch_size), or turn on critic.use_dynamic_bsz",
+        ],
+    ),
+    V.check_mini_batch_divisible_by_micro: (
+        [f"{A}.ppo_micro_batch_size_per_gpu=24"],
+        [
+            "actor_rollout_ref.actor.ppo_mini_batch_size x rollout.n / DP = 256 x 1 / 8 = 32 responses per rank is not "
+            "a multiple of the micro-batch actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=24"
+        ],
+    ),
+    V.check_dynamic_bsz_token_budget: (
+        [f"{A}.use_dynamic_bsz=True", f"{A}.ppo_max_token_len_per_gpu=512", "critic.use_dynamic_bsz=False"],
+        [
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512 is shorter than one sequence "
+            "(max_prompt_length + max_response_length = 1024); raise it to at least 1024"
+        ],
+    ),
+    V.check_rollout_tp: (
+        [f"{R}.tensor_model_parallel_size=3"],
+        [
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3 does not divide the world size 8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3 does not divide num_attention_heads=4 (model_arch)",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3 and num_key_value_heads=2 (model_arch) must "
+            "divide one another",
+        ],
+    ),
+    V.check_sequence_fits_positions: (
+        ["data.max_prompt_length=1024", "data.max_response_length=1500", f"{R}.max_model_len=2000"],
+        [
+            "data.max_prompt_length + data.max_response_length = 1024 + 1500 = 2524 exceeds "
+            "max_position_embeddings=2048 (model_arch); shorten them",
+            "actor_rollout_ref.rollout.max_model_len=2000 is shorter than max_prompt_length + max_response_length",
+        ],
+    ),
+    V.check_recompute: (
+        [f"{A}.megatron.recompute_granularity=selective", f"{A}.megatron.recompute_method=uniform"],
+        [
+            "actor_rollout_ref.actor.megatron.recompute_method/recompute_num_layers apply to "
+            "recompute_granularity=full only (it is selective)"
+        ],
+    ),
+}
+
+
+def _errors(*overrides: str) -> list[str]:
+    cfg = make_cfg(*overrides)
+    try:
+        validate_config(cfg)
+    except ConfigError as exc:
+        return exc.errors
+    return []
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == set(V.RULES)
+
+
+def test_the_base_config_is_valid():
+    assert _errors() == []
+
+
+@pytest.mark.parametrize("rule", list(CASES), ids=lambda r: r.__name__)
+def test_rule_reports_its_problem(rule, tmp_path):
+    overrides, expected = CASES[rule]
+    if callable(overrides):
+        overrides = overrides(tmp_path)
+    cfg = make_cfg(*overrides)
+    direct = rule(V.ValidationContext.build(cfg))
+    for text in expected:
+        assert any(text in message for message in direct), f"{text!r} not in {direct}"
+    # validate_config reports the same messages in its one ConfigError.
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    for text in expected:
+        assert any(text in message for message in err.value.errors)
+
+
+def test_all_violations_come_in_one_error():
+    errors = _errors(f"{R}.temperature=-1", "algorithm.adv_estimator=nope", "data.truncation=x")
+    assert len(errors) == 3
+    with pytest.raises(ConfigError, match=r"invalid config \(3 problems\)"):
+        validate_config(make_cfg(f"{R}.temperature=-1", "algorithm.adv_estimator=nope", "data.truncation=x"))
+
+
+def test_size_rules_are_skipped_when_sizes_are_invalid():
+    # TP=0 would otherwise divide by zero in the layout rules; only the range errors are
+    # reported (the critic follows the actor's TP through an interpolation).
+    errors = _errors(f"{A}.megatron.tensor_model_parallel_size=0")
+    assert errors == [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0 must be >= 1",
+        "critic.megatron.tensor_model_parallel_size=0 must be >= 1",
+    ]
+
+
+def test_world_size_argument_overrides_the_trainer_shape():
+    cfg = make_cfg(f"{A}.megatron.pipeline_model_parallel_size=4")  # DP 2 at world 8
+    validate_config(cfg)
+    with pytest.raises(ConfigError, match="world size 6"):
+        validate_config(cfg, world_size=6)
+
+
+def test_group_estimators_are_fine_with_n_at_least_2():
+    assert _errors("algorithm.adv_estimator=rloo", f"{R}.n=4", f"{A}.use_kl_loss=False") == []
+
+
+def test_reference_rules_apply_only_when_a_kl_term_needs_it():
+    # The reference has no micro-batch set: fine without KL, an error with use_kl_loss.
+    assert _errors() == []
+    errors = _errors(f"{A}.use_kl_loss=True")
+    assert errors == [
+        "set actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu (or "
+        "actor_rollout_ref.ref.log_prob_micro_batch_size), or turn on actor_rollout_ref.ref.log_prob_use_dynamic_bsz"
+    ]
+
+
+def test_critic_rules_apply_only_with_gae():
+    assert (
+        _errors("critic.ppo_micro_batch_size_per_gpu=null", "algorithm.adv_estimator=grpo", f"{R}.n=2") == []
+    )
+
+
+def test_kv_heads_below_rollout_tp_are_replicated_not_an_error():
+    assert _errors(f"{R}.tensor_model_parallel_size=4") == []
+
+
+def test_architecture_from_config_json_when_no_model_arch(tmp_path):
+    model = write_hf_config(tmp_path / "m", max_position_embeddings=1000)
+    cfg = load_config(
+        None,
+        [
+            f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+        ],
+        validate=False,
+    )
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    text = str(err.value)
+    assert f"({model}/config.json)" in text
+    assert "max_position_embeddings=1000" in text
+    assert "tensor_model_parallel_size=4 must divide num_attention_heads=16 and num_key_value_heads=2" in text
+
+
+def test_unknown_architecture_warns_and_skips_arch_rules():
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.model.path=/nonexistent/model",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8",
+        ],
+        validate=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate_config(cfg)
+    arch_warnings = [w for w in caught if issubclass(w.category, ArchUnknownWarning)]
+    assert len(arch_warnings) == 1
+    assert "no model_arch section and no config.json under /nonexistent/model" in str(
+        arch_warnings[0].message
+    )
+
+
+def test_strategy_of_an_inactive_role_is_not_checked():
+    # verl's FSDP yaml sets reward_model.strategy=fsdp; with the reward model off it is harmless.
+    assert _errors("reward_model.strategy=fsdp") == []
+    with pytest.warns(ArchUnknownWarning):  # the reward model's checkpoint is not on this machine
+        errors = _errors("reward_model.strategy=fsdp", "reward_model.enable=True")
+    assert "reward_model.strategy='fsdp': this project trains with Megatron only" in errors[0]
+
+
+def test_data_files_may_be_a_list():
+    assert _errors("data.train_files=['a.parquet','b.parquet']") == []
+
+
+def test_model_arch_that_matches_the_checkpoint_passes(tmp_path):
+    model = write_hf_config(
+        tmp_path / "m",
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=384,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        model_type="llama",
+    )
+    assert _errors(f"actor_rollout_ref.model.path={model}") == []
