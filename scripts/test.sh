@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+# Debian's slurm-wlm + munge for the real-Slurm launcher tests (skips quietly where apt can't run).
+bash scripts/install_slurm.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check rlhf_megatron tests tools launchers scripts
 set +e

@@ -1,0 +1,162 @@
+"""KubeRay manifests: golden files, Kubernetes schema validation of every pod template, and
+the embedded config loading to the same run config as the file it came from.
+
+`UPDATE_GOLDEN=1 pytest tests/launch/test_k8s.py` rewrites the golden files; review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from rlhf_megatron.config import load_config
+from rlhf_megatron.config.presets import CONFIGS_DIR
+from rlhf_megatron.launch.common import load_run
+from rlhf_megatron.launch.k8s import CONFIG_DIR, K8sOptions, build_manifests, embedded_config, pod_templates
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+K8S_VERSION = "1.30"  # a version kubernetes-validate ships schemas for, offline
+IMAGE = "registry.example.com/rlhf-megatron:gpu"
+GOLDEN_CASES = {
+    "rayjob_1node.yaml": ["--nodes", "1", "--gpus-per-node", "8"],
+    "rayjob_4node.yaml": ["--nodes", "4", "--gpus-per-node", "8", "--namespace", "rl", "--secret-env", "wandb",
+                          "--cpus-per-node", "96", "--memory-per-node", "900Gi", "--storage-class", "nfs"],
+}  # fmt: skip
+
+
+def _render(launch, run_config, extra: list[str]) -> str:
+    argv = ["k8s", "--config", run_config, "--image", IMAGE, "--ray-version", "2.40.0", *extra,
+            "--", "trainer.total_epochs=2"]  # fmt: skip
+    rc, out, err = launch(argv)
+    assert rc == 0, err
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden(launch, run_config, name):
+    text = _render(launch, run_config, GOLDEN_CASES[name])
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing; run with UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), (
+        f"{name} changed; if on purpose, rerun with UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+def test_output_is_deterministic_and_ignores_the_environment(launch, run_config, monkeypatch):
+    first = _render(launch, run_config, GOLDEN_CASES["rayjob_4node.yaml"])
+    monkeypatch.setenv("NCCL_DEBUG", "TRACE")
+    monkeypatch.setenv("WANDB_API_KEY", "s3cret")
+    assert _render(launch, run_config, GOLDEN_CASES["rayjob_4node.yaml"]) == first
+
+
+def _validate(obj: dict) -> None:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        pytest.fail(f"{obj['kind']} {obj['metadata'].get('name')}: {exc.message} at {where}")
+
+
+SHAPES = {
+    "1 node x 8 GPUs": (1, 8, K8sOptions(image=IMAGE)),
+    "4 nodes x 8 GPUs, every option": (4, 8, K8sOptions(
+        image=IMAGE, namespace="rl", service_account="trainer", secret_envs=["wandb", "hf"], cpus_per_node=96,
+        memory_per_node="900Gi", storage_class="nfs", pvc_size="2Ti", shm_size="64Gi", env={"NCCL_IB_HCA": "mlx5"},
+    )),
+    "2 CPU nodes": (2, 0, K8sOptions(image="rlhf-megatron:cpu", cpus_per_node=8)),
+    "RayCluster": (2, 4, K8sOptions(image=IMAGE, kind="raycluster")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_pod_template_and_object_validates(run_config, shape):
+    nodes, gpus, opts = SHAPES[shape]
+    spec = load_run(run_config, [], nodes=nodes, gpus_per_node=gpus)
+    config_map, pvc, ray_obj = build_manifests(spec, opts)
+    _validate(config_map)
+    _validate(pvc)
+    templates = pod_templates(ray_obj)
+    assert len(templates) == (1 if nodes == 1 else 2)
+    for label, template in templates:
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"{ray_obj['metadata']['name']}-{label.split()[0]}", **template["metadata"]},
+               "spec": template["spec"]}  # fmt: skip
+        _validate(pod)
+
+
+def test_manifest_shape(run_config):
+    spec = load_run(run_config, ["trainer.total_epochs=2"], nodes=4, gpus_per_node=8)
+    config_map, pvc, job = build_manifests(spec, K8sOptions(image=IMAGE))
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["ttlSecondsAfterFinished"] == 600
+    assert job["spec"]["entrypoint"] == (
+        f"cd /opt/rlhf_megatron && rlhf-megatron train --config {CONFIG_DIR}/config.yaml "
+        "trainer.total_epochs=2 trainer.nnodes=4 trainer.n_gpus_per_node=8"
+    )
+    cluster = job["spec"]["rayClusterSpec"]
+    (workers,) = cluster["workerGroupSpecs"]
+    assert (
+        workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 3
+    )  # + the head = 4 nodes
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "8"
+    run_dir = "/opt/rlhf_megatron/checkpoints/launch_tests/grpo_tiny"  # default_local_dir, inside the image
+    for _, template in pod_templates(job):
+        (container,) = template["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["dshm"]["mountPath"] == "/dev/shm"
+        assert mounts["checkpoints"]["mountPath"] == run_dir
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["NCCL_SOCKET_IFNAME"] == "eth0" and env["GLOO_SOCKET_IFNAME"] == "eth0"
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert {"name": "config", "configMap": {"name": config_map["metadata"]["name"]}} in head["volumes"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_one_node_job_has_no_worker_group(run_config):
+    spec = load_run(run_config, [], nodes=1, gpus_per_node=8)
+    _, _, job = build_manifests(spec, K8sOptions(image=IMAGE))
+    assert "workerGroupSpecs" not in job["spec"]["rayClusterSpec"]
+
+
+def test_raycluster_kind(run_config):
+    spec = load_run(run_config, [], nodes=2, gpus_per_node=8)
+    _, _, cluster = build_manifests(spec, K8sOptions(image=IMAGE, kind="raycluster"))
+    assert cluster["kind"] == "RayCluster" and "entrypoint" not in cluster["spec"]
+    assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 1
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        str(Path(__file__).resolve().parent / "golden" / "run.yaml"),
+        str(CONFIGS_DIR / "examples" / "gsm8k_grpo.yaml"),  # has a `base:` chain
+        str(CONFIGS_DIR / "quickstart_cpu_ppo.yaml"),
+    ],
+    ids=lambda p: Path(p).name,
+)
+def test_embedded_config_loads_to_the_same_config(config, tmp_path):
+    if not Path(config).exists():
+        pytest.skip(f"{config} is not in the tree")
+    copy = tmp_path / "config.yaml"
+    copy.write_text(embedded_config(config))
+    assert "base" not in yaml.safe_load(copy.read_text())
+    original = OmegaConf.to_container(load_config(config, validate=False))
+    assert OmegaConf.to_container(load_config(str(copy), validate=False)) == original
+
+
+def test_secrets_become_env_from(run_config):
+    spec = load_run(run_config, [], nodes=1, gpus_per_node=8)
+    _, _, job = build_manifests(spec, K8sOptions(image=IMAGE, secret_envs=["wandb"]))
+    (container,) = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": "wandb"}}]
