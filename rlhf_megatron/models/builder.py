@@ -1,0 +1,224 @@
+"""Build megatron-core ``GPTModel`` chunks from a ``ModelArch``.
+
+``build_gpt_model(arch, parallel)`` returns this rank's model chunks: one per
+virtual pipeline stage (a single chunk without VPP). Every chunk is a plain
+megatron-core ``GPTModel``, so megatron's DDP, optimizers, schedules and
+distributed checkpointing apply unchanged. Layer implementations are chosen
+here and nowhere else: transformer-engine modules on GPU, megatron's local
+(pure PyTorch) modules on CPU.
+
+The caller sets up parallelism first (``platform.init_model_parallel``) and
+passes the same sizes in ``ParallelConfig``; the builder checks they agree, so
+a model is never silently built for another layout. Weights are random (or
+left uninitialised with ``init_weights=False``); ``loader.load_hf_weights``
+fills them from an HF checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.models.heads import attach_scalar_head
+from rlhf_megatron.platform import is_cuda
+
+__all__ = ["ParallelConfig", "build_gpt_model", "build_transformer_config", "use_transformer_engine"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model-parallel sizes a model is built for (data parallelism is whatever remains)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's weights (attention heads, MLP columns, vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into consecutive stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); None = one chunk."""
+    context_parallel_size: int = 1
+    """Ranks that split the sequence for attention (needs transformer-engine, GPU only)."""
+    sequence_parallel: bool = False
+    """Split activations outside attention/MLP along the sequence over TP ranks (GPU only)."""
+
+    @classmethod
+    def current(cls, sequence_parallel: bool = False) -> ParallelConfig:
+        """The sizes of megatron's initialised parallel state."""
+        ps = parallel_state
+        return cls(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+            context_parallel_size=ps.get_context_parallel_world_size(),
+            sequence_parallel=sequence_parallel,
+        )
+
+
+def use_transformer_engine() -> bool:
+    """Transformer-engine layers on GPU, megatron's local layers on CPU."""
+    return is_cuda()
+
+
+def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_gpt_model: megatron's parallel state is not initialised; call "
+            "rlhf_megatron.platform.init_model_parallel(tp, pp, vpp, cp) first"
+        )
+    current = ParallelConfig.current(parallel.sequence_parallel)
+    if current != parallel:
+        raise ValueError(
+            f"build_gpt_model: asked for {parallel} but megatron's parallel state is {current}; "
+            "pass the sizes given to init_model_parallel"
+        )
+    tp, pp, vpp = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.virtual_pipeline_model_parallel_size,
+    )
+    for what, n in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_kv_heads),
+    ):
+        if n % tp:
+            raise ValueError(f"{arch.architecture}: {what} ({n}) is not divisible by TP size {tp}")
+    if arch.ffn_hidden_size % tp:
+        raise ValueError(
+            f"{arch.architecture}: intermediate_size ({arch.ffn_hidden_size}) is not divisible by TP {tp}"
+        )
+    if vpp is not None and pp == 1:
+        raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+    if arch.num_layers % (pp * (vpp or 1)):
+        raise ValueError(
+            f"{arch.architecture}: {arch.num_layers} layers do not split evenly over PP={pp} x VPP={vpp or 1}"
+        )
+    if not use_te and parallel.sequence_parallel:
+        raise ValueError(
+            "sequence_parallel needs transformer-engine layers (GPU): megatron's local layer spec uses "
+            "torch norms that do not support it; set sequence_parallel=False on CPU"
+        )
+    if not use_te and parallel.context_parallel_size > 1:
+        raise ValueError("context_parallel_size > 1 needs transformer-engine attention (GPU); use 1 on CPU")
+
+
+def build_transformer_config(
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    params_dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    **overrides,
+) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` for ``arch`` (``overrides`` win, e.g. recompute settings)."""
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        # RL fine-tuning of pretrained models: no dropout, as in the HF models.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not is_cuda(),
+        perform_initialization=init_weights,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec(arch: ModelArch, use_te: bool):
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        from megatron.core.transformer.enums import AttnMaskType
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        # Our masks combine causality with left padding (and a sliding window),
+        # which TE's "causal" type would ignore: ask TE to apply the mask as given.
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+        return spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def _rope_kwargs(arch: ModelArch) -> dict:
+    kwargs: dict = {
+        "rotary_base": int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta
+    }
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return kwargs
+    if scaling.rope_type == "llama3":
+        # megatron fixes low/high frequency factors 1/4 and original context
+        # 8192; ModelArch.from_hf_config rejected any other values.
+        kwargs.update(rope_scaling=True, rope_scaling_factor=scaling.factor)
+    else:  # linear: positions divided by the factor
+        kwargs.update(seq_len_interpolation_factor=scaling.factor)
+    return kwargs
+
+
+def build_gpt_model(
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    use_te: bool | None = None,
+    head_seed: int = 0,
+    **config_overrides,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), built for ``arch.head``.
+
+    ``init_weights=False`` skips megatron's random initialisation (parameters
+    are allocated but left as is) for models whose weights are loaded next.
+    ``head_seed`` seeds the critic/reward head so it is identical on all ranks.
+    """
+    use_te = use_transformer_engine() if use_te is None else use_te
+    _check_parallel(arch, parallel, use_te)
+    config = build_transformer_config(arch, parallel, params_dtype, init_weights, **config_overrides)
+    spec = _layer_spec(arch, use_te)
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    lm = arch.head == "lm"
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=lm and arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            vp_stage=stage,
+            **_rope_kwargs(arch),
+        )
+        if post and not lm:
+            attach_scalar_head(model, bias=arch.head_bias, seed=head_seed)
+        chunks.append(model)
+    return chunks

@@ -1,0 +1,324 @@
+"""Model checkpoints in megatron-core's distributed format, with our metadata beside them.
+
+Layout of a model checkpoint directory (what ``tools/convert_ckpt.py
+hf-to-mcore`` writes, and what a trainer checkpoint keeps under
+``<ckpt>/model/``)::
+
+    <dir>/
+      .metadata, *.distcp, common.pt, metadata.json   megatron dist-checkpoint (torch_dist)
+      config.json, generation_config.json, tokenizer*  copied from the HF model
+      rlhf_megatron_ckpt.json                          CheckpointMetadata, written last
+
+The dist-checkpoint is layout-independent: it can be loaded at any TP/PP/VPP
+(megatron reshards on load, including the vocabulary padding). Our metadata
+file is written after everything else, so its presence marks a complete
+checkpoint; it records the ``ModelArch``, the layout it was saved from, the
+dtype and a sha256 of every other file.
+
+``iter_checkpoint_tensors`` reads a checkpoint one full tensor (one layer's
+slice of megatron's layer-stacked tensors) at a time, in one process, for
+export without materialising the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.models.builder import ParallelConfig
+from rlhf_megatron.models.loader import unwrap_model
+
+__all__ = [
+    "CKPT_METADATA_FILE",
+    "CheckpointError",
+    "CheckpointMetadata",
+    "FORMAT_VERSION",
+    "checkpoint_tensor_specs",
+    "copy_hf_side_files",
+    "iter_checkpoint_tensors",
+    "load_model_checkpoint",
+    "read_checkpoint_metadata",
+    "resolve_checkpoint_dir",
+    "save_model_checkpoint",
+    "sha256_of_files",
+    "verify_checkpoint_files",
+]
+
+CKPT_METADATA_FILE = "rlhf_megatron_ckpt.json"
+FORMAT_NAME = "rlhf_megatron/mcore-dist-checkpoint"
+FORMAT_VERSION = 1
+# Files of an HF model directory that travel with the weights (not the weights).
+HF_SIDE_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template*",
+    "*.tiktoken",
+)
+_LAYERS_PREFIX = "decoder.layers."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete, corrupt or of another format."""
+
+
+@dataclass
+class CheckpointMetadata:
+    """The content of ``rlhf_megatron_ckpt.json``."""
+
+    arch: ModelArch
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    dtype: str
+    """Parameter dtype as saved, e.g. ``float32`` or ``bfloat16``."""
+    files: dict[str, str] = field(default_factory=dict)
+    """sha256 of every other file in the directory (relative path -> hex digest)."""
+    source: str | None = None
+    """Where the weights came from (an HF directory, a training step)."""
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        data = {
+            "format": self.format,
+            "format_version": self.format_version,
+            "arch": self.arch.to_dict(),
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "padded_vocab_size": self.arch.padded_vocab_size(self.tensor_model_parallel_size),
+            "dtype": self.dtype,
+            "source": self.source,
+            "files": self.files,
+        }
+        return json.dumps(data, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, path: str = CKPT_METADATA_FILE) -> CheckpointMetadata:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+        if data.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{path}: format is {data.get('format')!r}, expected {FORMAT_NAME!r}")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path}: format_version {data.get('format_version')} is not supported by this version "
+                f"of rlhf_megatron (it reads version {FORMAT_VERSION})"
+            )
+        return cls(
+            arch=ModelArch.from_dict(data["arch"]),
+            tensor_model_parallel_size=data["tensor_model_parallel_size"],
+            pipeline_model_parallel_size=data["pipeline_model_parallel_size"],
+            virtual_pipeline_model_parallel_size=data["virtual_pipeline_model_parallel_size"],
+            dtype=data["dtype"],
+            files=data.get("files", {}),
+            source=data.get("source"),
+        )
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """The directory holding the model dist-checkpoint: ``path`` itself or ``path/model``."""
+    path = Path(path)
+    for candidate in (path, path / "model"):
+        if (candidate / CKPT_METADATA_FILE).is_file():
+            return candidate
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    raise CheckpointError(
+        f"{path} is not an rlhf_megatron model checkpoint: neither {path / CKPT_METADATA_FILE} nor "
+        f"{path / 'model' / CKPT_METADATA_FILE} exists (an interrupted save leaves no metadata file)"
+    )
+
+
+def read_checkpoint_metadata(path: str | Path) -> CheckpointMetadata:
+    ckpt = resolve_checkpoint_dir(path)
+    meta_path = ckpt / CKPT_METADATA_FILE
+    return CheckpointMetadata.from_json(meta_path.read_text(), str(meta_path))
+
+
+def sha256_of_files(root: Path, exclude: Sequence[str] = (CKPT_METADATA_FILE,)) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative POSIX path -> digest)."""
+    out = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel in exclude:
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        out[rel] = h.hexdigest()
+    return out
+
+
+def verify_checkpoint_files(ckpt_dir: Path, meta: CheckpointMetadata) -> None:
+    """Raise ``CheckpointError`` naming any file that is missing or whose sha256 differs."""
+    if not meta.files:
+        raise CheckpointError(f"{ckpt_dir / CKPT_METADATA_FILE} lists no files; the checkpoint is incomplete")
+    missing = [f for f in meta.files if not (ckpt_dir / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: checkpoint files missing: {', '.join(missing)}")
+    actual = sha256_of_files(ckpt_dir)
+    bad = [f for f, digest in meta.files.items() if actual.get(f) != digest]
+    if bad:
+        raise CheckpointError(f"{ckpt_dir}: sha256 mismatch (corrupt or modified) for: {', '.join(bad)}")
+
+
+def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy config, generation config and tokenizer files of an HF directory; returns their names."""
+    copied = []
+    for pattern in HF_SIDE_FILE_PATTERNS:
+        for path in sorted(src.glob(pattern)):
+            if path.is_file() and path.name not in copied:
+                shutil.copy2(path, dst / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
+    models = [unwrap_model(c) for c in chunks]
+    if len(models) == 1:
+        return models[0].sharded_state_dict()
+    # One entry per virtual stage; the sharded tensors inside carry global keys,
+    # so the nesting does not tie the checkpoint to this VPP size.
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def save_model_checkpoint(
+    model_chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | Path,
+    arch: ModelArch,
+    parallel: ParallelConfig,
+    *,
+    hf_dir: str | Path | None = None,
+    source: str | None = None,
+) -> CheckpointMetadata:
+    """Save this rank's chunks into ``ckpt_dir`` (collective over all ranks).
+
+    After megatron's save, rank 0 copies the HF side files from ``hf_dir``,
+    hashes every file and writes ``rlhf_megatron_ckpt.json`` last.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    if torch.distributed.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state_dict(model_chunks), str(ckpt_dir))
+    torch.distributed.barrier()  # every rank's shards are on disk before they are hashed
+    dtype = next(unwrap_model(model_chunks[0]).parameters()).dtype
+    meta = CheckpointMetadata(
+        arch=arch,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        dtype=str(dtype).removeprefix("torch."),
+        source=source,
+    )
+    if torch.distributed.get_rank() == 0:
+        if hf_dir is not None:
+            copy_hf_side_files(Path(hf_dir), ckpt_dir)
+        meta.files = sha256_of_files(ckpt_dir)
+        (ckpt_dir / CKPT_METADATA_FILE).write_text(meta.to_json())
+    torch.distributed.barrier()
+    return meta
+
+
+def load_model_checkpoint(
+    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path
+) -> CheckpointMetadata:
+    """Load a model checkpoint saved at any layout into this rank's chunks (collective)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = resolve_checkpoint_dir(ckpt_dir)
+    meta = read_checkpoint_metadata(ckpt)
+    state = dist_checkpointing.load(_sharded_state_dict(model_chunks), str(ckpt))
+    if len(model_chunks) == 1:
+        unwrap_model(model_chunks[0]).load_state_dict(state)
+    else:
+        for i, chunk in enumerate(model_chunks):
+            unwrap_model(chunk).load_state_dict(state[f"model{i}"])
+    return meta
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One full megatron tensor of a checkpoint (layer-stacked tensors split per layer)."""
+
+    name: str  # global megatron name, e.g. decoder.layers.3.mlp.linear_fc1.weight
+    key: str  # key in the dist-checkpoint, e.g. decoder.layers.mlp.linear_fc1.weight
+    layer: int | None
+    num_layers: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def checkpoint_tensor_specs(ckpt_dir: str | Path) -> list[TensorSpec]:
+    """The model tensors in a checkpoint: embedding, then layer by layer, then the rest."""
+    from megatron.core import dist_checkpointing
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        metadata = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    head, layers, tail = [], [], []
+    for key, sh in metadata.items():
+        if key.startswith("optimizer."):
+            continue
+        if key.startswith(_LAYERS_PREFIX):
+            n = sh.global_shape[0]
+            for i in range(n):
+                name = f"{_LAYERS_PREFIX}{i}.{key[len(_LAYERS_PREFIX) :]}"
+                layers.append(TensorSpec(name, key, i, n, tuple(sh.global_shape[1:]), sh.dtype))
+        else:
+            (head if key.startswith("embedding.") else tail).append(
+                TensorSpec(key, key, None, None, tuple(sh.global_shape), sh.dtype)
+            )
+    layers.sort(key=lambda t: t.layer)  # stable: keeps the key order within a layer
+    return head + layers + tail
+
+
+def iter_checkpoint_tensors(
+    ckpt_dir: str | Path, specs: Sequence[TensorSpec] | None = None
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Yield each full tensor of a checkpoint, reading only that tensor from disk.
+
+    Needs ``torch.distributed`` initialised (a one-process gloo group is
+    enough): megatron's loader is collective-aware even when alone.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    ckpt_dir = str(ckpt_dir)
+    for spec in specs if specs is not None else checkpoint_tensor_specs(ckpt_dir):
+        if spec.layer is None:
+            target = ShardedTensor.from_rank_offsets(
+                spec.key, torch.empty(spec.shape, dtype=spec.dtype), replica_id=0
+            )
+        else:
+            # One layer of megatron's [num_layers, ...] stacked tensor.
+            target = ShardedTensor.from_rank_offsets(
+                spec.key,
+                torch.empty((1, *spec.shape), dtype=spec.dtype),
+                (0, spec.layer, spec.num_layers),
+                replica_id=0,
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # validate_access_integrity checks that all ranks together read
+            # every shard exactly once; reading one slice alone is the point here.
+            out = dist_checkpointing.load({"t": target}, ckpt_dir, validate_access_integrity=False)["t"]
+        yield spec, (out[0] if spec.layer is not None else out)

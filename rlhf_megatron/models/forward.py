@@ -1,0 +1,267 @@
+"""Forward passes over megatron model chunks, and log-probs/entropy over vocab-parallel logits.
+
+The primitives the actor, critic and reference workers build on:
+
+- ``build_attention_mask``: the 4-D boolean mask megatron's attention takes
+  (causal + padding, optional sliding window). Callers never rely on
+  megatron's default mask, which hard-codes CUDA and ignores padding.
+- ``model_forward``: one chunk, one micro-batch; for use inside a
+  ``forward_step_func`` of megatron's pipeline schedules.
+- ``forward_logits_or_values``: a whole forward-only pass through megatron's
+  schedule (any TP/PP/VPP), returning the last stage's output.
+- ``vocab_parallel_log_probs`` / ``vocab_parallel_entropy``: per-token
+  log-probs and entropy from each TP rank's vocabulary shard of the logits,
+  with all-reduces of ``[B, S]`` statistics only: the full vocabulary is never
+  gathered. Both are differentiable.
+
+Megatron's rotary embedding uses positions ``0..S-1`` for every row whatever
+``position_ids`` say. With left padding (RL prompts) a row's valid tokens
+then sit at positions shifted by the pad count; RoPE scores depend only on
+position *differences*, so attention among valid tokens is unchanged
+(equal to HF with ``position_ids`` from the mask, up to float rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "build_attention_mask",
+    "forward_logits_or_values",
+    "model_forward",
+    "position_ids_from_mask",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_probs",
+]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` padding mask (1 = token) -> ``[B, S]`` positions counted from each row's first token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def build_attention_mask(attention_mask: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """``[B, S]`` padding mask (True/1 = token) -> ``[B, 1, S, S]`` bool, True = masked out.
+
+    Query ``i`` may attend to key ``j`` when ``j <= i``, ``j`` is a token, and
+    (with a window) ``i - j < sliding_window``. Every query also sees itself,
+    so padding rows are never empty (an all-masked row gives NaNs in some
+    attention kernels, and NaN * 0 is still NaN in a masked loss).
+    """
+    valid = attention_mask.bool()
+    seq = valid.shape[1]
+    i = torch.arange(seq, device=valid.device)[:, None]
+    j = torch.arange(seq, device=valid.device)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed = allowed & (i - j < sliding_window)
+    allowed = (allowed[None] & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=valid.device)[
+        None
+    ]
+    return ~allowed[:, None]  # (B, 1, S, S)
+
+
+def model_forward(
+    chunk: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One chunk on one micro-batch (inside a megatron ``forward_step_func``).
+
+    Returns what the chunk returns: on the last stage logits ``[B, S, V_pad/tp]``
+    (this TP rank's vocabulary shard) or values ``[B, S, 1]``; elsewhere the
+    hidden states sent to the next stage.
+    """
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    return chunk(input_ids, position_ids, build_attention_mask(attention_mask, sliding_window))
+
+
+def forward_logits_or_values(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    micro_batch_size: int | None = None,
+) -> torch.Tensor | None:
+    """Forward-only pass over all pipeline stages; the output on the last stage, None elsewhere.
+
+    ``input_ids``/``attention_mask``/``position_ids``: ``[B, S]`` on every rank
+    of the model-parallel group. Returns, on the last pipeline stage:
+
+    - LM head: logits ``[B, S, V_pad / tp]``, this TP rank's vocabulary shard
+      (feed it to ``vocab_parallel_log_probs``/``vocab_parallel_entropy``);
+    - value/reward head: values ``[B, S]``, the same on every TP rank.
+
+    ``sliding_window``: pass ``arch.sliding_window`` (Mistral v0.1).
+    ``micro_batch_size`` defaults to the whole batch (with VPP, to the batch
+    split into as many micro-batches as pipeline stages).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    batch, seq = input_ids.shape
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if micro_batch_size is None:
+        micro_batch_size = batch // pp if len(chunks) > 1 and batch % pp == 0 else batch
+    if batch % micro_batch_size:
+        raise ValueError(f"batch size {batch} is not a multiple of micro_batch_size {micro_batch_size}")
+    num_micro = batch // micro_batch_size
+    if len(chunks) > 1 and num_micro < pp:
+        raise ValueError(
+            f"the interleaved (VPP) schedule needs at least PP={pp} micro-batches, got {num_micro}; "
+            "use a smaller micro_batch_size or a larger batch"
+        )
+    micro = [
+        (
+            input_ids[k : k + micro_batch_size],
+            attention_mask[k : k + micro_batch_size],
+            position_ids[k : k + micro_batch_size],
+        )
+        for k in range(0, batch, micro_batch_size)
+    ]
+
+    def step(data_iter, chunk):
+        ids, mask, pos = next(data_iter)
+        out = model_forward(chunk, ids, mask, pos, sliding_window)
+        # The schedule hands what the loss function returns to the caller on the last stage.
+        return out, lambda output: (output.new_zeros(()), {"output": output.detach()})
+
+    with torch.no_grad():
+        collected = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_micro,
+            seq_length=seq,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    out = torch.cat([c["output"] for c in collected], dim=0)
+    return out.squeeze(-1) if out.shape[-1] == 1 and _is_scalar_head(chunks[-1]) else out
+
+
+def _is_scalar_head(chunk: torch.nn.Module) -> bool:
+    from rlhf_megatron.models.heads import ScalarHead
+
+    inner = chunk
+    while hasattr(inner, "module"):  # DDP / Float16Module wrappers
+        inner = inner.module
+    return isinstance(getattr(inner, "output_layer", None), ScalarHead)
+
+
+# -- vocab-parallel statistics -------------------------------------------------
+
+
+def _tp_group(group):
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _shifted_softmax_stats(logits: torch.Tensor, vocab_size: int | None, group):
+    """Shard-local ``shifted = z - max_global`` (padding columns -inf) and global ``log Σ exp``."""
+    rank = dist.get_rank(group) if group is not None else 0
+    local = logits.shape[-1]
+    start = rank * local
+    z = logits.float()
+    if vocab_size is not None and start + local > vocab_size:
+        # Megatron's padded vocabulary rows are not tokens; HF's softmax has no such entries.
+        z = z.clone()
+        z[..., max(vocab_size - start, 0) :] = float("-inf")
+    zmax = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (B, S)
+    shifted = z - zmax.unsqueeze(-1)
+    sum_exp = _all_reduce(shifted.exp().sum(dim=-1), dist.ReduceOp.SUM, group)  # (B, S)
+    return shifted, sum_exp.log(), start
+
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_size, group):
+        shifted, lse, start = _shifted_softmax_stats(logits, vocab_size, group)
+        local = logits.shape[-1]
+        idx = labels - start
+        mine = (idx >= 0) & (idx < local)  # (B, S): this shard holds the label's column
+        picked = shifted.gather(-1, idx.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
+        picked = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
+        ctx.save_for_backward((shifted - lse.unsqueeze(-1)).exp(), idx, mine)
+        ctx.in_dtype = logits.dtype
+        return picked - lse  # (B, S)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, idx, mine = ctx.saved_tensors
+        # d log p_label / d z_j = 1[j = label] - p_j
+        grad_logits = -probs * grad.unsqueeze(-1)
+        onehot = torch.zeros_like(probs).scatter_(-1, idx.clamp(0, probs.shape[-1] - 1).unsqueeze(-1), 1.0)
+        grad_logits += onehot * (mine * grad).unsqueeze(-1)
+        return grad_logits.to(ctx.in_dtype), None, None, None
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, vocab_size, group):
+        shifted, lse, _ = _shifted_softmax_stats(logits, vocab_size, group)
+        log_probs = shifted - lse.unsqueeze(-1)
+        probs = log_probs.exp()
+        # p·log p with p = 0 on padding columns (log p = -inf) counts as 0.
+        plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
+        entropy = -_all_reduce(plogp.sum(-1), dist.ReduceOp.SUM, group)  # (B, S)
+        ctx.save_for_backward(probs, log_probs, entropy)
+        ctx.in_dtype = logits.dtype
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, log_probs, entropy = ctx.saved_tensors
+        # dH/dz_j = -p_j (log p_j + H)
+        inner = torch.where(probs > 0, log_probs + entropy.unsqueeze(-1), torch.zeros_like(log_probs))
+        return (-probs * inner * grad.unsqueeze(-1)).to(ctx.in_dtype), None, None
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, tp_group=None
+) -> torch.Tensor:
+    """``log softmax(logits)[..., labels]`` from vocabulary-sharded logits, without gathering them.
+
+    ``logits``: ``[B, S, V_pad/tp]``, this TP rank's contiguous vocabulary
+    shard (rank ``r`` holds columns ``[r·V_pad/tp, (r+1)·V_pad/tp)``).
+    ``labels``: ``[B, S]`` token ids (already shifted by the caller, e.g.
+    ``input_ids[:, 1:]`` against ``logits[:, :-1]``). ``vocab_size``: the real
+    vocabulary; columns beyond it (megatron's padding) are excluded from the
+    softmax. Returns fp32 ``[B, S]``, identical on every TP rank.
+    ``tp_group`` defaults to megatron's tensor-parallel group.
+    """
+    return _VocabParallelLogProb.apply(logits, labels, vocab_size, _tp_group(tp_group))
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor, vocab_size: int | None = None, tp_group=None
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position, ``[B, S]`` fp32, from vocabulary-sharded logits.
+
+    Same sharding conventions as ``vocab_parallel_log_probs``.
+    """
+    return _VocabParallelEntropy.apply(logits, vocab_size, _tp_group(tp_group))

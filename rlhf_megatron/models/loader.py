@@ -1,0 +1,111 @@
+"""Fill megatron model chunks from an HF safetensors checkpoint, each rank reading only its shards.
+
+For every parameter of every local chunk, ``load_hf_weights`` maps the local
+name to its global one (pipeline/virtual-pipeline layer offset), asks the spec
+for this TP rank's slice (``spec.hf_to_mcore``) and copies it in. Reads go
+through ``safe_open(...).get_slice`` one tensor slice at a time, so a rank's
+memory during loading is its own shard plus one slice in flight, never the
+whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
+from rlhf_megatron.models.spec import hf_names, hf_to_mcore, local_to_global_layer
+
+__all__ = ["LoadReport", "load_hf_weights", "unwrap_model"]
+
+
+@dataclass
+class LoadReport:
+    """What ``load_hf_weights`` did on this rank (global megatron names)."""
+
+    loaded: list[str] = field(default_factory=list)
+    kept_initialised: list[str] = field(default_factory=list)
+    """Head parameters absent from the checkpoint (a critic started from an LM): left at their init."""
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size):
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank,
+        ps.get_tensor_model_parallel_world_size() if tp_size is None else tp_size,
+        ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank,
+        ps.get_pipeline_model_parallel_world_size() if pp_size is None else pp_size,
+        ps.get_virtual_pipeline_model_parallel_world_size() if vpp_size is None else vpp_size,
+    )
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    hf_dir: str | Path | HFCheckpoint,
+    arch: ModelArch,
+    *,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+    vpp_size: int | None = None,
+    progress: bool = False,
+) -> LoadReport:
+    """Copy this rank's slices of an HF checkpoint into ``model_chunks`` (in place).
+
+    Ranks and sizes default to megatron's initialised parallel state. Every
+    parameter must be found, except a critic/reward head missing from an LM
+    checkpoint, which keeps its initial values (listed in the report).
+    Raises ``HFCheckpointError``/``SpecError`` naming the tensor and file on a
+    missing tensor or a shape that does not match ``arch``.
+    """
+    chunks = list(model_chunks) if isinstance(model_chunks, Sequence) else [model_chunks]
+    tp_rank, tp_size, pp_rank, pp_size, vpp_size = _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size)
+    if vpp_size is not None and len(chunks) != vpp_size:
+        raise ValueError(f"load_hf_weights: got {len(chunks)} model chunks for VPP size {vpp_size}")
+    source = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint(hf_dir)
+    work = []
+    for vp_stage, chunk in enumerate(chunks):
+        for local_name, param in unwrap_model(chunk).named_parameters():
+            global_name = local_to_global_layer(
+                local_name, arch.num_layers, pp_rank, pp_size, vp_stage if vpp_size else None, vpp_size
+            )
+            work.append((global_name, param))
+    if progress:
+        from tqdm import tqdm
+
+        work = tqdm(work, desc="loading HF weights", unit="tensor")
+    report = LoadReport()
+    for global_name, param in work:
+        sources = hf_names(global_name, arch)
+        missing = [s for s in sources if s not in source]
+        if missing:
+            if global_name.startswith("output_layer.") and arch.head != "lm":
+                report.kept_initialised.append(global_name)
+                continue
+            raise HFCheckpointError(
+                f"megatron parameter {global_name} needs HF tensor(s) {missing}, which {source.dir} does not "
+                f"contain; is the checkpoint a complete {arch.architecture}?"
+            )
+        shard = hf_to_mcore(global_name, arch, source, tp_rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise HFCheckpointError(
+                f"megatron parameter {global_name} on TP rank {tp_rank}/{tp_size} has shape "
+                f"{list(param.shape)}, but {', '.join(sources)} give(s) {list(shard.shape)}"
+            )
+        param.copy_(shard)
+        report.loaded.append(global_name)
+    return report

@@ -1,0 +1,83 @@
+"""Pipeline stages: which model chunk holds which layer, and local ⇄ global layer names.
+
+A model chunk numbers its layers from 0; the HF⇄mcore spec, megatron's
+distributed checkpoints and the weight converter use global layer numbers.
+Megatron's even split is assumed (no uneven first/last stages, no custom
+pipeline layout): with ``pp`` stages and ``vpp`` virtual stages the model is
+cut into ``pp × vpp`` equal chunks assigned round-robin, so chunk ``v`` of
+pipeline rank ``p`` is chunk ``v·pp + p`` (checked against megatron's
+``get_transformer_layer_offset`` in the tests). Pure functions, no megatron.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["StageError", "global_to_local_layer", "layer_offset", "local_to_global_layer"]
+
+
+class StageError(ValueError):
+    """The layers do not fit the pipeline layout, or a name is outside its chunk."""
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _layers_per_chunk(num_layers: int, pp_size: int, vpp_size: int | None) -> int:
+    chunks = pp_size * (vpp_size or 1)
+    if num_layers % chunks:
+        raise StageError(
+            f"{num_layers} layers do not split evenly over PP={pp_size} x VPP={vpp_size or 1} = {chunks} "
+            "model chunks; pick sizes whose product divides the number of layers"
+        )
+    return num_layers // chunks
+
+
+def layer_offset(
+    num_layers: int, pp_rank: int, pp_size: int, vpp_rank: int | None = None, vpp_size: int | None = None
+) -> int:
+    """Global index of the first layer of chunk ``vpp_rank`` on pipeline rank ``pp_rank``.
+
+    Megatron's even split: with VPP, the model is cut into ``pp × vpp`` chunks
+    assigned round-robin, so chunk ``v`` of rank ``p`` is chunk ``v·pp + p``.
+    """
+    per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
+    return ((vpp_rank or 0) * pp_size + pp_rank) * per_chunk
+
+
+def local_to_global_layer(
+    name: str,
+    num_layers: int,
+    pp_rank: int,
+    pp_size: int,
+    vpp_rank: int | None = None,
+    vpp_size: int | None = None,
+) -> str:
+    """Rewrite a model chunk's parameter name to global layer numbering (other names pass through)."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name
+    per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
+    local = int(m.group(1))
+    if local >= per_chunk:
+        raise StageError(f"{name}: local layer {local} is beyond this chunk's {per_chunk} layers")
+    offset = layer_offset(num_layers, pp_rank, pp_size, vpp_rank, vpp_size)
+    return f"decoder.layers.{offset + local}.{name[m.end() :]}"
+
+
+def global_to_local_layer(
+    name: str, num_layers: int, pp_size: int, vpp_size: int | None = None
+) -> tuple[int | None, int | None, str]:
+    """``(pp_rank, vpp_rank, local name)`` of the chunk that owns a layer parameter.
+
+    Returns ``(None, None, name)`` for non-layer parameters: the embedding is
+    on the first stage, the final norm and output layer on the last one.
+    """
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None, None, name
+    per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
+    layer = int(m.group(1))
+    chunk, local = divmod(layer, per_chunk)
+    vpp_rank, pp_rank = divmod(chunk, pp_size)
+    return pp_rank, (vpp_rank if vpp_size else None), f"decoder.layers.{local}.{name[m.end() :]}"

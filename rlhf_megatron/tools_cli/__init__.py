@@ -1,0 +1,1 @@
+"""Command-line tools that live inside the package, so ``rlhf-megatron <subcommand>`` can reach them."""

@@ -1,0 +1,435 @@
+"""``convert``: Hugging Face ⇄ megatron-core checkpoints (``tools/convert_ckpt.py``, ``rlhf-megatron convert``).
+
+Subcommands:
+
+- ``hf-to-mcore --hf DIR --out DIR --tp N --pp N [--vpp N]``: build the model at
+  that layout on ``tp × pp`` gloo ranks (spawned here, or the current ranks
+  when started under torchrun), let each rank read only its slices of the HF
+  safetensors, and save megatron's distributed checkpoint plus our metadata
+  (``models/checkpoint.py`` describes the layout). Loadable at any layout.
+- ``mcore-to-hf --ckpt DIR --out DIR``: stream a model checkpoint (converted,
+  or a trainer's ``<ckpt>/model``) to HF safetensors one tensor at a time, in
+  one process, with megatron's loader reading one tensor per call. Memory is
+  bounded by the largest tensor, whatever the model size.
+
+Both validate everything they can before writing, write into a temporary
+directory next to ``--out`` and rename it at the end (an interrupted run leaves
+no partial output), and refuse to replace ``--out`` without ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from rlhf_megatron.models.arch import ModelArch, UnsupportedModelError
+from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
+from rlhf_megatron.models.spec import (
+    SpecError,
+    StageError,
+    expected_hf_shapes,
+    hf_names,
+    layer_offset,
+    mcore_full_shape,
+    mcore_param_names,
+    mcore_to_hf,
+    tp_shard_slices,
+)
+
+__all__ = ["ConversionError", "convert_hf_to_mcore", "convert_mcore_to_hf", "main"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_FLAGS = {v: k for k, v in _DTYPES.items()}
+
+
+class ConversionError(ValueError):
+    """The conversion cannot proceed; the message says what to change."""
+
+
+# -- output directory handling -------------------------------------------------
+
+
+def _prepare_out(out: Path, force: bool) -> Path:
+    """Fail early on an existing ``out``; return a fresh temporary directory beside it."""
+    if out.exists() and not force:
+        raise ConversionError(f"{out} already exists; pass --force to replace it")
+    tmp = out.parent / f".{out.name}.converting"
+    if tmp.exists():  # left by an interrupted run (the name is ours)
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished ``tmp`` to ``out`` with renames, so ``out`` is never half-written."""
+    if out.exists():
+        if not force:
+            raise ConversionError(f"{out} appeared during the conversion; pass --force to replace it")
+        old = out.parent / f".{out.name}.replaced"
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
+# -- hf-to-mcore -----------------------------------------------------------------
+
+
+def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | None) -> None:
+    """Every tensor the model needs is present with the right shape, and the layout fits."""
+    source = HFCheckpoint(hf_dir)
+    expected = expected_hf_shapes(arch)
+    layer_offset(arch.num_layers, 0, pp, 0 if vpp else None, vpp)  # raises if layers do not split evenly
+    if arch.num_attention_heads % tp:
+        raise ConversionError(
+            f"num_attention_heads ({arch.num_attention_heads}) is not divisible by --tp {tp}"
+        )
+    for name in mcore_param_names(arch):
+        tp_shard_slices(name, arch, 0, tp)  # raises if TP does not divide this parameter
+        for hf_name in hf_names(name, arch):
+            if hf_name not in source:
+                if name.startswith("output_layer.") and arch.head != "lm":
+                    continue  # a critic/reward head absent from an LM checkpoint starts from its init
+                raise ConversionError(
+                    f"{hf_dir}: tensor {hf_name} (for megatron {name}) is missing from the checkpoint"
+                )
+            if source.shape(hf_name) != expected[hf_name]:
+                raise ConversionError(
+                    f"{source.where(hf_name)} has shape {list(source.shape(hf_name))}, but config.json implies "
+                    f"{list(expected[hf_name])}"
+                )
+
+
+def _hf_to_mcore_rank(rank, world_size, hf_dir, tmp, arch_dict, tp, pp, vpp, dtype_flag):
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.models.checkpoint import save_model_checkpoint
+    from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.platform import init_model_parallel
+
+    arch = ModelArch.from_dict(arch_dict)
+    init_model_parallel(tp, pp, vpp)
+    parallel = ParallelConfig(tp, pp, vpp)
+    chunks = build_gpt_model(arch, parallel, params_dtype=_DTYPES[dtype_flag], init_weights=False)
+    load_hf_weights(chunks, hf_dir, arch, progress=rank == 0)
+    save_model_checkpoint(chunks, tmp, arch, parallel, hf_dir=hf_dir, source=str(Path(hf_dir).resolve()))
+
+
+def _under_torchrun() -> bool:
+    return torch.distributed.is_initialized() or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def convert_hf_to_mcore(
+    hf_dir: str | Path,
+    out: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    dtype: str = "fp32",
+    head: str | None = None,
+    force: bool = False,
+) -> Path:
+    """HF safetensors -> megatron distributed checkpoint at layout TP×PP(×VPP). Returns ``out``."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    arch = ModelArch.from_hf_dir(hf_dir, head=head)
+    _preflight_hf(hf_dir, arch, tp, pp, vpp)
+    if _under_torchrun():
+        # torchrun started world_size copies of this command: each rank converts its part.
+        from rlhf_megatron.platform import init_distributed
+
+        init_distributed()
+        rank = torch.distributed.get_rank()
+        if out.exists() and not force:  # on every rank: a rank-0-only error would leave the rest waiting
+            raise ConversionError(f"{out} already exists; pass --force to replace it")
+        tmp = out.parent / f".{out.name}.converting"
+        if rank == 0:
+            tmp = _prepare_out(out, force)
+        torch.distributed.barrier()
+        _hf_to_mcore_rank(
+            rank,
+            torch.distributed.get_world_size(),
+            str(hf_dir),
+            str(tmp),
+            arch.to_dict(),
+            tp,
+            pp,
+            vpp,
+            dtype,
+        )
+        if rank == 0:
+            _publish(tmp, out, force)
+        torch.distributed.barrier()
+        return out
+    from rlhf_megatron.platform.multiproc import run_on_ranks
+
+    tmp = _prepare_out(out, force)
+    try:
+        run_on_ranks(
+            _hf_to_mcore_rank,
+            tp * pp,
+            str(hf_dir),
+            str(tmp),
+            arch.to_dict(),
+            tp,
+            pp,
+            vpp,
+            dtype,
+            timeout_s=7 * 24 * 3600.0,
+        )
+        _publish(tmp, out, force)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# -- mcore-to-hf -----------------------------------------------------------------
+
+
+def _plan_export(specs, arch: ModelArch, saved_tp: int, dtype: torch.dtype):
+    """HF ``(name, shape, dtype)`` in write order; checks names, shapes and completeness first."""
+    plan = []
+    for spec in specs:
+        try:
+            want = mcore_full_shape(spec.name, arch, saved_tp)
+        except SpecError as e:
+            raise ConversionError(f"checkpoint tensor {spec.key} (as {spec.name}): {e}") from None
+        vocab = spec.name in ("embedding.word_embeddings.weight", "output_layer.weight") and arch.head == "lm"
+        # The vocabulary rows are padded for the TP size the checkpoint was saved at.
+        ok = (
+            (spec.shape[1:] == want[1:] and spec.shape[0] >= arch.vocab_size) if vocab else spec.shape == want
+        )
+        if not ok:
+            raise ConversionError(
+                f"checkpoint tensor {spec.name} has shape {list(spec.shape)}, but the config "
+                f"({arch.architecture}) implies {list(want)}; the checkpoint and config.json disagree"
+            )
+        for hf_name, t in mcore_to_hf(spec.name, torch.empty(spec.shape, device="meta"), arch):
+            plan.append((hf_name, tuple(t.shape), dtype))
+    expected = expected_hf_shapes(arch)
+    missing = sorted(set(expected) - {n for n, _, _ in plan})
+    if missing:
+        raise ConversionError(
+            f"the checkpoint lacks tensors for {len(missing)} HF tensor(s), e.g. {missing[:3]}; is it complete?"
+        )
+    return plan
+
+
+def _hf_config(arch: ModelArch, source_config: Path | None, dtype: torch.dtype) -> dict:
+    if source_config is not None and source_config.is_file():
+        config = json.loads(source_config.read_text())
+    else:  # no config.json anywhere: rebuild one from the arch
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(arch.model_type, **_arch_to_hf_fields(arch)).to_dict()
+    config["architectures"] = [arch.architecture]
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype_name
+    if arch.head != "lm":
+        config["num_labels"] = 1
+        config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    return config
+
+
+def _arch_to_hf_fields(arch: ModelArch) -> dict:
+    rope = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if arch.rope_scaling is not None:
+        s = arch.rope_scaling
+        rope.update(rope_type=s.rope_type, factor=s.factor)
+        if s.rope_type == "llama3":
+            rope.update(
+                low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+            )
+    return dict(
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab_size,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        rms_norm_eps=arch.norm_eps,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters=rope,
+        sliding_window=arch.sliding_window,
+        initializer_range=arch.initializer_range,
+    )
+
+
+def _ensure_process_group() -> bool:
+    """megatron's loader needs torch.distributed; a one-process gloo group will do. True if created here."""
+    if torch.distributed.is_initialized():
+        return False
+    from rlhf_megatron.platform import init_distributed
+    from rlhf_megatron.platform.multiproc import find_free_port
+
+    init_distributed(rank=0, world_size=1, master_addr="127.0.0.1", master_port=find_free_port())
+    return True
+
+
+def convert_mcore_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    hf_config_dir: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    force: bool = False,
+    verify: bool = True,
+    progress: bool = True,
+) -> Path:
+    """megatron model checkpoint (any layout) -> HF safetensors + config + tokenizer. Returns ``out``."""
+    from rlhf_megatron.models.checkpoint import (
+        checkpoint_tensor_specs,
+        copy_hf_side_files,
+        iter_checkpoint_tensors,
+        read_checkpoint_metadata,
+        resolve_checkpoint_dir,
+        verify_checkpoint_files,
+    )
+    from rlhf_megatron.models.hf_io import SafetensorsShardWriter
+
+    ckpt_dir = resolve_checkpoint_dir(ckpt)
+    meta = read_checkpoint_metadata(ckpt_dir)
+    if verify:
+        verify_checkpoint_files(ckpt_dir, meta)
+    arch = meta.arch
+    side_dir = Path(hf_config_dir) if hf_config_dir is not None else ckpt_dir
+    if hf_config_dir is not None:
+        other = ModelArch.from_hf_dir(side_dir, head=arch.head)
+        if other != arch:
+            diff = {k: (v, getattr(other, k)) for k, v in arch.to_dict().items() if getattr(other, k) != v}
+            raise ConversionError(
+                f"{side_dir / 'config.json'} describes another model than {ckpt_dir}: {diff}"
+            )
+    out_dtype = _DTYPES[dtype] if dtype else getattr(torch, meta.dtype)
+    out = Path(out)
+    specs = checkpoint_tensor_specs(ckpt_dir)
+    plan = _plan_export(specs, arch, meta.tensor_model_parallel_size, out_dtype)
+    tmp = _prepare_out(out, force)
+    created_pg = _ensure_process_group()
+    try:
+        writer = SafetensorsShardWriter(tmp, plan, max_shard_bytes)
+        from tqdm import tqdm
+
+        with tqdm(total=len(specs), desc="mcore-to-hf", unit="tensor", disable=not progress) as bar:
+            for spec, full in iter_checkpoint_tensors(ckpt_dir, specs):
+                for hf_name, t in mcore_to_hf(spec.name, full, arch):
+                    writer.write(hf_name, t.to(out_dtype))
+                bar.update()
+        writer.close()
+        copy_hf_side_files(side_dir, tmp)
+        config = _hf_config(arch, side_dir / "config.json", out_dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if not (tmp / "generation_config.json").exists() and arch.head == "lm":
+            from transformers import GenerationConfig, PretrainedConfig
+
+            GenerationConfig.from_model_config(PretrainedConfig(**config)).save_pretrained(tmp)
+        _publish(tmp, out, force)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if created_pg:
+            torch.distributed.destroy_process_group()
+    return out
+
+
+# -- command line ------------------------------------------------------------------
+
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)B?\s*", text.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"size {text!r}: use e.g. 500MB, 2GB or 123456 (bytes)")
+    return int(float(m.group(1)) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[m.group(2)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    h2m = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron distributed checkpoint")
+    h2m.add_argument("--hf", required=True, type=Path, help="HF model directory (config.json + safetensors)")
+    h2m.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert at")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert at")
+    h2m.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    h2m.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype to store")
+    h2m.add_argument(
+        "--head",
+        choices=["lm", "value", "reward"],
+        default=None,
+        help="model head (default: from config.json's architectures)",
+    )
+    h2m.add_argument("--force", action="store_true", help="replace --out if it exists")
+    m2h = sub.add_parser("mcore-to-hf", help="megatron model checkpoint -> HF safetensors")
+    m2h.add_argument(
+        "--ckpt", required=True, type=Path, help="checkpoint dir, or a trainer checkpoint holding model/"
+    )
+    m2h.add_argument("--out", required=True, type=Path, help="HF directory to create")
+    m2h.add_argument(
+        "--hf-config",
+        type=Path,
+        default=None,
+        help="take config.json/tokenizer from this HF dir instead of the checkpoint's copies",
+    )
+    m2h.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="output dtype (default: as saved)"
+    )
+    m2h.add_argument(
+        "--max-shard-size", type=_parse_size, default=2 * 1024**3, help="e.g. 2GB (default), 500MB"
+    )
+    m2h.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    m2h.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m2h.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``tools/convert_ckpt.py`` and ``rlhf-megatron convert``. Returns the exit status."""
+    from rlhf_megatron.models.checkpoint import CheckpointError
+    from rlhf_megatron.platform.multiproc import RankFailedError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            out = convert_hf_to_mcore(
+                args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.head, args.force
+            )
+        else:
+            out = convert_mcore_to_hf(
+                args.ckpt,
+                args.out,
+                args.hf_config,
+                args.dtype,
+                args.max_shard_size,
+                args.force,
+                verify=not args.no_verify,
+                progress=not args.no_progress,
+            )
+    except (
+        ConversionError,
+        CheckpointError,
+        HFCheckpointError,
+        SpecError,
+        StageError,
+        UnsupportedModelError,
+        FileNotFoundError,
+        RankFailedError,
+    ) as e:
+        print(f"convert {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"convert {args.command}: wrote {out}")
+    return 0
