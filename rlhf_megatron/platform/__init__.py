@@ -28,6 +28,7 @@ import torch
 from rlhf_megatron.platform.cpu_compat import cpu_compat_enabled, enable_cpu_compat
 
 __all__ = [
+    "ParallelGroups",
     "ParallelInfo",
     "cpu_compat_enabled",
     "destroy_distributed",
@@ -157,6 +158,33 @@ class ParallelInfo:
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=ps.get_context_parallel_world_size(),
             vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's megatron process groups, handed explicitly to code outside platform/ and models/."""
+
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this rank's pipeline group, by stage."""
+    tp_ranks: tuple[int, ...]
+    """Global ranks of this rank's tensor-parallel group, by TP rank."""
+
+    @classmethod
+    def current(cls) -> ParallelGroups:
+        from megatron.core import parallel_state as ps
+
+        pp_group = ps.get_pipeline_model_parallel_group()
+        tp_group = ps.get_tensor_model_parallel_group()
+        return cls(
+            tp_group=tp_group,
+            pp_group=pp_group,
+            dp_group=ps.get_data_parallel_group(),
+            pp_ranks=tuple(torch.distributed.get_process_group_ranks(pp_group)),
+            tp_ranks=tuple(torch.distributed.get_process_group_ranks(tp_group)),
         )
 
 

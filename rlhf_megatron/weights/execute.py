@@ -1,0 +1,183 @@
+"""Executing a sync plan: gather → convert → (broadcast) → hand to the rollout engine, bucket by bucket.
+
+``WeightSyncer(plan, model_chunks, tp_rank, pp_rank, transport)`` is created
+once per actor (the plan never changes) and ``iter_weights()`` is called
+after every update. It is a generator: the rollout engine pulls one bucket at
+a time, so at most one bucket of converted tensors (plus the shards of the
+parameter being gathered) exists at once, whatever the model size.
+
+Per bucket, every rank walks the same transfers in the same order (the plan
+is identical everywhere), which is what keeps the collectives matched:
+
+1. The owning pipeline stage reads its shard; ``gather`` transfers all-gather
+   it inside that stage's TP group and reassemble it with the spec's layout
+   rules (``gather_tp_shards``); ``local`` transfers use the shard as is.
+2. The stage's Megatron tensors for the bucket are packed into one flat
+   buffer and broadcast over the pipeline group: one collective per (bucket,
+   owning stage), and every stage's engine gets every layer.
+3. Every rank converts them to its targets: HF tensors (``hf``) or the slice
+   for its own vLLM TP rank (``sharded``).
+
+``stats`` records seconds per phase (gather, broadcast, convert) and the peak
+number of bucket bytes held, for the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from rlhf_megatron.models.spec import gather_tp_shards, mcore_to_hf
+from rlhf_megatron.weights.plan import (
+    VLLM_VOCAB_PADDING,
+    ParamTransfer,
+    SyncPlan,
+    vllm_kv_heads_per_rank,
+    vllm_param_name,
+)
+from rlhf_megatron.weights.transport import Transport
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+class WeightSyncer:
+    """Streams the actor's weights in the rollout engine's layout (see module docstring)."""
+
+    def __init__(
+        self,
+        plan: SyncPlan,
+        model_chunks: Sequence[torch.nn.Module],
+        tp_rank: int,
+        pp_rank: int,
+        transport: Transport,
+        rollout_rank: int | None = None,
+    ):
+        self.plan = plan
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.transport = transport
+        # With vLLM's external launcher, rollout TP groups are consecutive global ranks.
+        self.rollout_rank = rollout_rank
+        self.params = [dict(_unwrap(c).named_parameters()) for c in model_chunks]
+        self.dtype = next(iter(self.params[0].values())).dtype
+        self.stats: dict[str, float] = {}
+
+    def _shard(self, t: ParamTransfer) -> torch.Tensor:
+        chunk = self.params[t.vpp_rank or 0]
+        if t.local_name not in chunk:
+            raise KeyError(
+                f"weight sync: pipeline rank {self.pp_rank} should own '{t.local_name}' ({t.name}) but its "
+                f"model chunk {t.vpp_rank or 0} has no such parameter; the plan and the model disagree on the layout"
+            )
+        return chunk[t.local_name].detach()
+
+    # ------------------------------------------------------------------ conversion
+    def _convert(
+        self, t: ParamTransfer, tensor: torch.Tensor, is_full: bool
+    ) -> list[tuple[str, torch.Tensor]]:
+        arch = self.plan.arch
+        if self.plan.load_format == "hf":
+            return mcore_to_hf(t.name, tensor, arch)
+        rank, tp = self.rollout_rank, self.plan.rollout_tp
+        if not is_full:  # aligned local shard: only QKV needs de-interleaving into [q_r; k_r; v_r]
+            if "linear_qkv" in t.name:
+                local_arch = dataclasses.replace(
+                    arch,
+                    num_attention_heads=arch.num_attention_heads // tp,
+                    num_kv_heads=arch.num_kv_heads // tp,
+                )
+                hf = mcore_to_hf(t.name, tensor, local_arch)
+                return [(vllm_param_name(t.name, hf[0][0]), torch.cat([x for _, x in hf], dim=0))]
+            hf_name = mcore_to_hf(t.name, torch.empty(t.full_shape, device="meta"), arch)[0][0]
+            return [(vllm_param_name(t.name, hf_name), tensor)]
+        pieces = [(n, _vllm_slice(n, x, arch, rank, tp)) for n, x in mcore_to_hf(t.name, tensor, arch)]
+        if len(pieces) > 1:
+            return [(vllm_param_name(t.name, pieces[0][0]), torch.cat([x for _, x in pieces], dim=0))]
+        return pieces
+
+    # ------------------------------------------------------------------ the stream
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs for this rank's rollout engine, one bucket at a time."""
+        stats = dict.fromkeys(("gather_s", "broadcast_s", "convert_s"), 0.0)
+        stats["peak_bucket_bytes"] = 0
+        for bucket in self.plan.buckets:
+            by_stage: dict[int, list[ParamTransfer]] = {}
+            for t in bucket.transfers:
+                by_stage.setdefault(t.pp_rank, []).append(t)
+            out: list[tuple[str, torch.Tensor]] = []
+            for stage in sorted(by_stage):
+                transfers = by_stage[stage]
+                t0 = time.perf_counter()
+                sources = [self._source(t) for t in transfers] if stage == self.pp_rank else None
+                t1 = time.perf_counter()
+                sources = self._broadcast(transfers, sources, stage)
+                t2 = time.perf_counter()
+                for t, src in zip(transfers, sources):
+                    out.extend(self._convert(t, src, t.is_full))
+                stats["gather_s"] += t1 - t0
+                stats["broadcast_s"] += t2 - t1
+                stats["convert_s"] += time.perf_counter() - t2
+            held = sum(x.numel() * x.element_size() for _, x in out)
+            stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], held)
+            yield from out
+            del out
+        self.stats = stats
+
+    def _source(self, t: ParamTransfer) -> torch.Tensor:
+        """The owning stage's Megatron tensor for ``t``: gathered over TP, or its own shard."""
+        shard = self._shard(t)
+        if t.mode == "gather":
+            return gather_tp_shards(t.name, self.transport.all_gather_tp(shard), self.plan.arch)
+        return shard
+
+    def _broadcast(self, transfers, sources, stage: int) -> list[torch.Tensor]:
+        """Ship one stage's Megatron tensors of a bucket to every pipeline stage in one collective."""
+        if self.plan.layout.pp_size == 1:
+            return sources
+        shapes = [torch.Size(t.source_shape) for t in transfers]
+        if sources is not None:
+            for t, src in zip(transfers, sources):
+                if src.shape != torch.Size(t.source_shape):
+                    raise RuntimeError(
+                        f"weight sync: {t.name} on pipeline stage {stage} has shape {list(src.shape)}, "
+                        f"the plan expects {list(t.source_shape)}"
+                    )
+            flat = torch.cat([x.reshape(-1) for x in sources])
+        else:
+            flat = torch.empty(sum(s.numel() for s in shapes), dtype=self.dtype)
+        flat = self.transport.broadcast_pp(flat, stage)
+        out, offset = [], 0
+        for shape in shapes:
+            out.append(flat[offset : offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        return out
+
+
+def _vllm_slice(hf_name: str, full: torch.Tensor, arch, rank: int, tp: int) -> torch.Tensor:
+    """vLLM TP rank ``rank``'s slice of one full HF tensor (before fusion)."""
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
+        return full.chunk(tp, dim=0)[rank]
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        per_rank = vllm_kv_heads_per_rank(arch, tp)
+        replicas = max(1, tp // arch.num_kv_heads)
+        head0 = (rank // replicas) * per_rank
+        return full.narrow(0, head0 * arch.head_dim, per_rank * arch.head_dim)
+    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
+        return full.chunk(tp, dim=1)[rank]
+    if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        padded = -(-full.shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        rows = padded // tp
+        out = full.new_zeros((rows, *full.shape[1:]))
+        start = rank * rows
+        take = max(0, min(full.shape[0] - start, rows))
+        if take:
+            out[:take] = full[start : start + take]
+        return out
+    return full
