@@ -252,6 +252,10 @@ class Batch:
             batch_size=len(range(n)[rows]) if isinstance(rows, slice) else len(rows),
         )
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The column ``key``, or ``default`` when the batch has no such column."""
+        return self[key] if key in self else default  # noqa: SIM401 (this is get itself)
+
     def __setitem__(self, key: str, value: Any) -> None:
         """Add or replace a column; tensors go to ``tensors``, anything else to ``non_tensors``."""
         if not isinstance(key, str):

@@ -52,6 +52,10 @@ class SamplingConfig:
     do_sample: bool = True
     ignore_eos: bool = False
     response_length: int = 512
+    seed: int | None = None
+    """Per-call sampling seed: prompt ``i`` samples with ``seed + i``. Makes a rollout a pure
+    function of (weights, prompts, seed), so a resumed run samples what an uninterrupted one
+    would; None leaves the engine's own RNG stream in charge."""
 
     @property
     def greedy(self) -> bool:
@@ -75,8 +79,11 @@ class SamplingConfig:
             raise ValueError("actor_rollout_ref.rollout sampling settings: " + "; ".join(problems))
 
     @classmethod
-    def from_rollout_config(cls, rollout_cfg: Any, validate: bool = False) -> SamplingConfig:
-        """Training sampling from ``actor_rollout_ref.rollout``; ``validate`` applies ``val_kwargs``."""
+    def from_rollout_config(
+        cls, rollout_cfg: Any, validate: bool = False, greedy: bool = False, seed: int | None = None
+    ) -> SamplingConfig:
+        """Training sampling from ``actor_rollout_ref.rollout``; ``validate`` applies ``val_kwargs``,
+        ``greedy`` forces one greedy sample per prompt (ReMax's baseline)."""
         base = dict(
             n=int(_get(rollout_cfg, "n", 1)),
             temperature=float(_get(rollout_cfg, "temperature", 1.0)),
@@ -92,10 +99,9 @@ class SamplingConfig:
                 value = _get(val, key, None)
                 if value is not None:
                     base[key] = type(base[key])(value)
-            base.setdefault("n", 1)
-        if not base["do_sample"] or base["temperature"] == 0.0:
+        if greedy or not base["do_sample"] or base["temperature"] == 0.0:
             base.update(do_sample=False, temperature=0.0, n=1)
-        return cls(**base)
+        return cls(**base, seed=seed)
 
 
 class RolloutEngine(Protocol):

@@ -51,7 +51,10 @@ class HFEngine:
         # generate() draws from torch's global RNG; seed it from our own stream so a
         # run is reproducible without disturbing the caller's RNG state.
         state = torch.get_rng_state()
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        else:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
         try:
             out = self.model.generate(
                 input_ids=ids.to(self.device),

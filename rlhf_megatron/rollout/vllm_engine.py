@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,35 @@ from rlhf_megatron.rollout.base import SamplingConfig, _get, assemble_rollout, p
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("hf", "sharded")
+
+
+def _patch_vllm_cpu_shm_names() -> None:
+    """Make vLLM-CPU's shared-memory segment names unique per process group.
+
+    vLLM's CPU communicator names its /dev/shm segments after the port of the
+    distributed init method; with the external launcher that is always
+    ``env://``, so every run on a machine uses the same names, and a run that
+    was killed (its segments left behind) or a second job on the same host
+    fails with "create shm in SHMManager failed. errno: 17". Prefixing the
+    names with this group's rendezvous address and port keeps them apart.
+    """
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:  # GPU builds of vLLM
+        return
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is None or getattr(shm, "_rlhf_patched", False):
+        return
+    original = shm.make_group_name
+
+    def make_group_name(communicator):
+        # vLLM's own part starts with the init method's tail ("//" for env://); a slash is
+        # only legal at the start of a POSIX shm name, so drop them.
+        run = zlib.crc32(f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}".encode())
+        return f"rlhf{run:08x}{original(communicator).replace('/', '')}"
+
+    shm.make_group_name = staticmethod(make_group_name)
+    shm._rlhf_patched = True
 
 
 def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype_bytes: int) -> int:
@@ -108,6 +138,8 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = int(batched)
         if torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if not torch.cuda.is_available():
+            _patch_vllm_cpu_shm_names()
         self.on_gpu = torch.cuda.is_available()
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(_get(rollout_cfg, "gpu_memory_utilization", 0.5))
@@ -136,19 +168,22 @@ class VLLMEngine:
                     f"it exceeds the engine's max_model_len={self.max_model_len} "
                     "(data.max_prompt_length + data.max_response_length)"
                 )
-        params = SamplingParams(
-            n=sampling.n,
-            temperature=0.0 if sampling.greedy else sampling.temperature,
-            top_p=1.0 if sampling.greedy else sampling.top_p,
-            top_k=0 if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
-            max_tokens=sampling.response_length,
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0,
-            detokenize=False,
-        )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in token_lists], params, use_tqdm=False
-        )
+
+        def params(row: int) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n,
+                temperature=0.0 if sampling.greedy else sampling.temperature,
+                top_p=1.0 if sampling.greedy else sampling.top_p,
+                top_k=0 if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
+                max_tokens=sampling.response_length,
+                ignore_eos=sampling.ignore_eos,
+                logprobs=0,
+                detokenize=False,
+                seed=None if sampling.seed is None else sampling.seed + row,
+            )
+
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
+        outputs = self.llm.generate(requests, [params(i) for i in range(len(requests))], use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:
             if len(out.outputs) != sampling.n:
