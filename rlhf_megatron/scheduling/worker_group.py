@@ -7,11 +7,14 @@ are the rendezvous). Calls are explicit about how data moves:
 
 - ``call(method, *args, dispatch="all")``: every rank gets the same arguments;
   returns the per-rank results.
-- ``call(method, batch, dispatch="dp_compute")``: the ``Batch`` is split into
-  ``dp_size`` equal chunks; every TP/PP/CP rank of data-parallel group ``d``
-  gets chunk ``d``; results are collected only from the ranks that own outputs
-  (last PP stage, TP rank 0, CP rank 0) and concatenated in DP order (a list
-  of per-DP results when they are not Batches).
+- ``call(method, batch, dispatch="dp_compute", layout="megatron")``: the
+  ``Batch`` is split into ``dp_size`` equal chunks; every TP/PP/CP rank of
+  data-parallel group ``d`` gets chunk ``d``; results are collected only from
+  the ranks that own outputs (last PP stage, TP rank 0, CP rank 0) and
+  concatenated in DP order (a list of per-DP results when they are not
+  Batches). ``layout`` names whose data-parallel grouping applies: each
+  worker answers ``dispatch_info(layout)`` (the actor also has ``rollout``,
+  its rollout engine's grouping).
 - ``call(method, *args, dispatch="rank0")``: every rank runs it, rank 0's
   result is returned.
 
@@ -79,7 +82,14 @@ class WorkerGroup:
                     placement_group=pg, placement_group_bundle_index=bundle
                 ),
                 name=None,
-            ).remote(role=role, rank=rank, world_size=self.world_size, env=base_env, **(worker_kwargs or {}))
+            ).remote(
+                role=role,
+                rank=rank,
+                world_size=self.world_size,
+                # The bundle index is the process's index on its node (one placement group per node).
+                env={**base_env, "LOCAL_RANK": str(bundle)},
+                **(worker_kwargs or {}),
+            )
             for rank, (pg, bundle) in enumerate(slots)
         ]
         self.nodes: list[dict[str, Any]] = []
@@ -90,46 +100,52 @@ class WorkerGroup:
             init_timeout_s,
             "init_distributed",
         )
-        self.parallel = None
+        self._dispatch: dict[str, list[tuple[int, int, bool]]] = {}
+        self.killed = False
 
     # ------------------------------------------------------------------ calls
     def call(
-        self, method: str, *args: Any, dispatch: str = "all", timeout_s: float | None = None, **kwargs
+        self,
+        method: str,
+        *args: Any,
+        dispatch: str = "all",
+        layout: str = "megatron",
+        timeout_s: float | None = None,
+        **kwargs,
     ) -> Any:
         """Run ``method`` on every rank with the given dispatch mode (see the module docstring)."""
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"WorkerGroup.call: dispatch={dispatch!r} is not one of {DISPATCH_MODES}")
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         if dispatch == "dp_compute":
-            return self._call_dp(method, args, kwargs, timeout_s)
+            return self._call_dp(method, args, kwargs, timeout_s, layout)
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         results = self._wait(refs, timeout_s, method)
         return results[0] if dispatch == "rank0" else results
 
-    def refresh_parallel_info(self) -> None:
-        """Read every rank's ``ParallelInfo`` (after the role built its model)."""
-        self.parallel = self.call("parallel_info")
-        if any(p is None for p in self.parallel):
-            missing = [r for r, p in enumerate(self.parallel) if p is None]
-            raise RuntimeError(
-                f"[{self.role}] ranks {missing} have no parallel layout yet; build the model first"
-            )
+    def dispatch_infos(self, layout: str = "megatron") -> list[tuple[int, int, bool]]:
+        """Every rank's (dp_rank, dp_size, owns_output) under ``layout`` (cached once known)."""
+        if layout not in self._dispatch:
+            infos = self.call("dispatch_info", layout)
+            if any(i is None for i in infos):
+                missing = [r for r, i in enumerate(infos) if i is None]
+                raise RuntimeError(
+                    f"[{self.role}] ranks {missing} have no parallel layout yet; build the model first"
+                )
+            self._dispatch[layout] = [tuple(i) for i in infos]
+        return self._dispatch[layout]
 
-    @property
-    def dp_size(self) -> int:
-        if self.parallel is None:
-            self.refresh_parallel_info()
-        return self.parallel[0].dp_size
+    def dp_size(self, layout: str = "megatron") -> int:
+        return self.dispatch_infos(layout)[0][1]
 
-    def _call_dp(self, method: str, args: tuple, kwargs: dict, timeout_s: float) -> Any:
-        if self.parallel is None:
-            self.refresh_parallel_info()
+    def _call_dp(self, method: str, args: tuple, kwargs: dict, timeout_s: float, layout: str) -> Any:
+        infos = self.dispatch_infos(layout)
         if not args or not isinstance(args[0], Batch):
             raise TypeError(
                 f"[{self.role}] dispatch='dp_compute' needs a Batch as the first argument of {method}"
             )
         batch, rest = args[0], args[1:]
-        dp = self.parallel[0].dp_size
+        dp = infos[0][1]
         if len(batch) % dp:
             raise ValueError(
                 f"[{self.role}] {method}: batch of {len(batch)} rows does not split into data-parallel size {dp}; "
@@ -137,11 +153,11 @@ class WorkerGroup:
             )
         chunks = batch.chunk(dp)
         refs = [
-            getattr(w, method).remote(chunks[info.dp_rank], *rest, **kwargs)
-            for w, info in zip(self.workers, self.parallel)
+            getattr(w, method).remote(chunks[info[0]], *rest, **kwargs)
+            for w, info in zip(self.workers, infos)
         ]
         results = self._wait(refs, timeout_s, method)
-        owned = {info.dp_rank: res for res, info in zip(results, self.parallel) if info.is_output_rank}
+        owned = {info[0]: res for res, info in zip(results, infos) if info[2]}
         ordered = [owned[d] for d in range(dp)]
         if all(isinstance(r, Batch) for r in ordered):
             return Batch.concat(ordered)
@@ -194,6 +210,7 @@ class WorkerGroup:
         """Stop every actor of the group at once (no graceful shutdown: ranks may be stuck)."""
         import ray
 
+        self.killed = True
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
@@ -201,7 +218,9 @@ class WorkerGroup:
                 logger.debug("killing a %s worker: %s", self.role, err)
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        """Graceful: tear down process groups, then stop the actors."""
+        """Graceful: tear down process groups, then stop the actors (a killed group is already gone)."""
+        if self.killed:
+            return
         try:
             self._wait([w.shutdown.remote() for w in self.workers], timeout_s, "shutdown")
         finally:

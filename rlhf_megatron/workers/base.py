@@ -54,6 +54,19 @@ class Worker:
     def parallel_info(self) -> ParallelInfo | None:
         return self.parallel
 
+    def dispatch_info(self, layout: str = "megatron") -> tuple[int, int, bool] | None:
+        """(dp_rank, dp_size, owns_output) under a dispatch layout; None before the model exists.
+
+        ``megatron``: the model's data-parallel rank; outputs live on the last
+        pipeline stage's TP rank 0. Roles with other layouts (the rollout
+        engine's) override this.
+        """
+        if layout != "megatron":
+            raise ValueError(f"[{self.role}] has no dispatch layout {layout!r}")
+        if self.parallel is None:
+            return None
+        return self.parallel.dp_rank, self.parallel.dp_size, self.parallel.is_output_rank
+
     def all_reduce_sum(self, value: float) -> float:
         """A collective over the role's world; used to check a group is wired up."""
         import torch

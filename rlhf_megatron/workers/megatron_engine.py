@@ -1,0 +1,319 @@
+"""One Megatron model on this rank, with its optimizer and schedule: shared by every role.
+
+``MegatronEngine`` owns a model's chunks (one per virtual pipeline stage),
+built from an HF checkpoint through ``rlhf_megatron.models``, and — for
+trained roles — megatron's DDP wrapper, optimizer (optionally distributed)
+and LR scheduler (constant or cosine, with warmup). Roles differ only in the
+loss functions they hand to ``run``; the micro-batch loop, the pipeline
+schedule, gradient clipping, offloading and checkpointing are written once,
+here.
+
+``run(micro_batches, loss_fn, forward_only)`` pushes micro-batches through
+``get_forward_backward_func`` (1F1B, interleaved with VPP, or no pipelining):
+``loss_fn(output, micro)`` receives the last stage's output (vocabulary-
+parallel logits ``[b, s, V/tp]`` or values ``[b, s]``) and returns
+``(loss, metrics)``. Megatron divides each micro-batch's loss by the number
+of micro-batches; ``loss_fn`` receives ``micro["_weight"]`` (its share of the
+mini-batch's rows times the number of micro-batches) to keep uneven
+(dynamic-size) micro-batches weighted by rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlhf_megatron.data.balance import balance_partitions
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+from rlhf_megatron.models.forward import model_forward
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def split_micro_batches(
+    batch: Batch, keys: Sequence[str], micro_batch_size: int | None = None, max_tokens: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Cut ``batch`` into micro-batches by count, or by a token budget (dynamic batch size).
+
+    With ``max_tokens``, rows are packed by their real lengths (attention-mask
+    sums) into as few micro-batches as fit the budget, balanced by
+    Karmarkar-Karp, with row order kept inside each micro-batch. Every
+    micro-batch carries ``_rows`` (its row indices) and ``_weight``.
+    """
+    n = len(batch)
+    if max_tokens:
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        if max(lengths) > max_tokens:
+            raise ValueError(
+                f"a sequence of {max(lengths)} tokens exceeds the token budget {max_tokens} "
+                "(ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu); raise it"
+            )
+        k = max(1, math.ceil(sum(lengths) / max_tokens))
+        while True:
+            parts = balance_partitions(lengths, min(k, n), equal_size=False)
+            if all(sum(lengths[i] for i in p) <= max_tokens for p in parts) or k >= n:
+                break
+            k += 1
+        groups = [sorted(p) for p in parts if p]
+    else:
+        size = micro_batch_size or n
+        groups = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    micros = []
+    for rows in groups:
+        index = torch.as_tensor(rows, dtype=torch.long)
+        micro = {k: batch[k][index] for k in keys}
+        micro["_rows"] = index
+        micro["_weight"] = torch.tensor(len(rows) * len(groups) / n)
+        micros.append(micro)
+    return micros
+
+
+class MegatronEngine:
+    """A Megatron model (plus optimizer and scheduler when trained) on this rank."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        parallel: ParallelConfig,
+        hf_path: str,
+        *,
+        train: bool,
+        optim_cfg: Any = None,
+        megatron_cfg: Any = None,
+        params_dtype: torch.dtype = torch.float32,
+        total_steps: int = 1,
+        variable_seq_lengths: bool = False,
+    ):
+        from rlhf_megatron.models.loader import load_hf_weights
+
+        self.arch = arch
+        self.parallel = parallel
+        overrides: dict[str, Any] = {}
+        granularity = _get(megatron_cfg, "recompute_granularity")
+        if granularity:
+            overrides["recompute_granularity"] = granularity
+            if granularity == "full":
+                overrides["recompute_method"] = _get(megatron_cfg, "recompute_method", "uniform")
+                overrides["recompute_num_layers"] = int(_get(megatron_cfg, "recompute_num_layers", 1))
+        if variable_seq_lengths:
+            overrides["variable_seq_lengths"] = True
+        self.chunks = build_gpt_model(
+            arch, parallel, params_dtype=params_dtype, init_weights=False, **overrides
+        )
+        load_hf_weights(self.chunks, hf_path, arch)
+        self.config = self.chunks[0].config
+        self.optimizer = None
+        self.scheduler = None
+        if train:
+            self._setup_training(optim_cfg, megatron_cfg, total_steps)
+        else:
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+
+    # ------------------------------------------------------------------ training set-up
+    def _setup_training(self, optim_cfg: Any, megatron_cfg: Any, total_steps: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        distributed_opt = bool(_get(megatron_cfg, "use_distributed_optimizer", False))
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=distributed_opt,
+            overlap_grad_reduce=False,
+        )
+        self.chunks = [
+            DistributedDataParallel(self.config, ddp_cfg, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(self.chunks)
+        ]
+        lr = float(_get(optim_cfg, "lr", 1e-6))
+        betas = _get(optim_cfg, "betas", (0.9, 0.999))
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            min_lr=lr * float(_get(optim_cfg, "min_lr_ratio", 0.0) or 0.0),
+            weight_decay=float(_get(optim_cfg, "weight_decay", 0.01)),
+            adam_beta1=float(betas[0]),
+            adam_beta2=float(betas[1]),
+            clip_grad=float(_get(optim_cfg, "clip_grad", 1.0)),
+            bf16=self.config.bf16,
+            fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=distributed_opt,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
+        warmup = int(_get(optim_cfg, "lr_warmup_steps", -1))
+        if warmup < 0:
+            warmup = int(float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_steps)
+        style = str(_get(optim_cfg, "warmup_style", "constant"))
+        if style not in ("constant", "cosine"):
+            raise ValueError(f"optim.warmup_style={style!r}: use 'constant' or 'cosine'")
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if warmup > 0 else lr,
+            max_lr=lr,
+            min_lr=opt_cfg.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1),
+            lr_decay_style=style,
+            start_wd=opt_cfg.weight_decay,
+            end_wd=opt_cfg.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
+        self.scheduler.step(0)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    # ------------------------------------------------------------------ the micro-batch loop
+    def run(
+        self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn, forward_only: bool
+    ) -> list[dict]:
+        """Forward (and backward) over the micro-batches; per-micro-batch metrics on the last stage."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iter, chunk):
+            micro = next(data_iter)
+            output = model_forward(chunk, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                                   self.arch.sliding_window)  # fmt: skip
+            return output, lambda out: loss_fn(out.squeeze(-1) if out.shape[-1] == 1 else out, micro)
+
+        n_chunks = len(self.chunks)
+        if n_chunks > 1 and len(micro_batches) % self.parallel.pipeline_model_parallel_size:
+            raise ValueError(
+                f"the interleaved (VPP) schedule needs a multiple of PP={self.parallel.pipeline_model_parallel_size} "
+                f"micro-batches, got {len(micro_batches)}; change the micro-batch size"
+            )
+        seq = micro_batches[0]["input_ids"].shape[1]
+        mbs = max(m["input_ids"].shape[0] for m in micro_batches)
+        context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with context:
+            return get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=[iter(micro_batches) for _ in self.chunks]
+                if n_chunks > 1
+                else iter(micro_batches),
+                model=self.chunks if n_chunks > 1 else self.chunks[0],
+                num_microbatches=len(micro_batches),
+                seq_length=seq,
+                micro_batch_size=mbs,
+                forward_only=forward_only,
+            )
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, Any]:
+        """One optimizer step over a mini-batch: zero grads, forward/backward, clip, step, LR step."""
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self.run(micro_batches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(1)
+        return {"metrics": metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "update_ok": bool(ok)}  # fmt: skip
+
+    # ------------------------------------------------------------------ offload (GPU colocation)
+    @contextlib.contextmanager
+    def offloaded(self, params: bool, grads: bool, optimizer: bool):
+        """Move parameters / grad buffers / optimizer states to host memory inside the block (GPU only)."""
+        if not torch.cuda.is_available() or not (params or grads or optimizer):
+            yield
+            return
+        moved = []
+        if params or grads:
+            for chunk in self.chunks:
+                for buf in getattr(chunk, "buffers", []):
+                    for attr, flag in (("param_data", params), ("grad_data", grads)):
+                        data = getattr(buf, attr, None)
+                        if flag and data is not None and data.is_cuda:
+                            setattr(buf, attr, data.to("cpu", non_blocking=True))
+                            moved.append((buf, attr))
+        states = []
+        if optimizer and self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for state in getattr(opt, "optimizer", opt).state.values():
+                    for key, value in state.items():
+                        if torch.is_tensor(value) and value.is_cuda:
+                            state[key] = value.to("cpu", non_blocking=True)
+                            states.append((state, key))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        try:
+            yield
+        finally:
+            for buf, attr in moved:
+                setattr(buf, attr, getattr(buf, attr).to("cuda", non_blocking=True))
+            for state, key in states:
+                state[key] = state[key].to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _sub_optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
+
+    def state_for_checkpoint(self) -> dict[str, Any]:
+        """Optimizer and scheduler state of this rank (the model goes through dist-checkpointing).
+
+        The distributed optimizer keeps its fp32 main parameters and Adam moments in
+        bucket shards outside ``state_dict()``; they are saved as this rank's
+        "dp-reshardable" parameter state, so a resume needs the same layout.
+        """
+        if self.optimizer is None:
+            return {}
+        subs = []
+        for opt in self._sub_optimizers():
+            entry = {"state_dict": opt.state_dict()}
+            if hasattr(opt, "get_parameter_state_dp_reshardable"):
+                param_state = opt.get_parameter_state_dp_reshardable()
+                # megatron-core 0.16's loader filters entries on a "padding" flag that its own
+                # getter does not set; every entry it returns is a real parameter.
+                for key, dtype_state in param_state.items():
+                    if isinstance(key, int):
+                        for buckets in dtype_state.values():
+                            for bucket in buckets:
+                                for elem in bucket:
+                                    elem.setdefault("padding", False)
+                entry["param_state"] = param_state
+            subs.append(entry)
+        return {"optimizers": subs, "scheduler": self.scheduler.state_dict()}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None or "optimizers" not in state:
+            return
+        subs = self._sub_optimizers()
+        if len(subs) != len(state["optimizers"]):
+            raise ValueError(
+                f"checkpoint has {len(state['optimizers'])} optimizer(s), this model has {len(subs)}; "
+                "resume with the parallel layout the checkpoint was saved with"
+            )
+        with torch.no_grad():  # main params are leaves that require grad; copying into them is not a step
+            for opt, entry in zip(subs, state["optimizers"]):
+                opt.load_state_dict(entry["state_dict"])
+                # Without apex/TE (CPU), megatron-core 0.16's DistributedOptimizer.load_state_dict
+                # gives every parameter's Adam state the *same* "step" tensor; torch's Adam then
+                # increments it once per parameter per step, corrupting bias correction after a
+                # resume. Give each parameter its own counter.
+                inner = getattr(opt, "optimizer", None)
+                for param_state in getattr(inner, "state", {}).values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"] = param_state["step"].clone()
+                if "param_state" in entry:
+                    opt.load_parameter_state_from_dp_reshardable(entry["param_state"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,171 @@
+"""What the Megatron roles share: parallel set-up, batched forward passes, checkpoints.
+
+``MegatronRoleWorker`` is the base of the actor (+rollout +ref), the critic
+and the reward model. It reads the role's ``megatron.*`` section, sets up
+megatron's parallel groups (the only place a worker touches them is through
+``platform``), builds ``MegatronEngine``s, and provides:
+
+- ``forward_rows(engine, batch, fn, ...)``: forward-only over micro-batches,
+  returning per-row tensors (in the batch's row order) on the ranks that own
+  outputs; ``fn(output, micro)`` turns the last stage's output into
+  ``{name: [b, ...]}``.
+- ``save_checkpoint(dir)`` / ``load_checkpoint(dir)``: models through
+  megatron's distributed checkpointing, optimizer/scheduler/RNG per rank,
+  each file written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.models.builder import ParallelConfig
+from rlhf_megatron.platform import init_model_parallel, is_cuda
+from rlhf_megatron.workers.base import Worker
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+def parallel_config(megatron_cfg: Any) -> ParallelConfig:
+    sp = bool(megatron_cfg.sequence_parallel) and int(megatron_cfg.tensor_model_parallel_size) > 1
+    if sp and not is_cuda():
+        logger.info("sequence_parallel needs transformer-engine kernels; off on CPU")
+        sp = False
+    vpp = megatron_cfg.virtual_pipeline_model_parallel_size
+    return ParallelConfig(
+        tensor_model_parallel_size=int(megatron_cfg.tensor_model_parallel_size),
+        pipeline_model_parallel_size=int(megatron_cfg.pipeline_model_parallel_size),
+        virtual_pipeline_model_parallel_size=int(vpp) if vpp else None,
+        context_parallel_size=int(megatron_cfg.context_parallel_size),
+        sequence_parallel=sp,
+    )
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class MegatronRoleWorker(Worker):
+    """Base of the Megatron-backed roles; ``config`` is the whole resolved run config (a dict)."""
+
+    def __init__(self, role: str, rank: int, world_size: int, env: dict[str, str] | None = None,
+                 config: dict | None = None):  # fmt: skip
+        super().__init__(role, rank, world_size, env)
+        self.cfg: DictConfig = OmegaConf.create(config or {})
+        self.engines: dict[str, MegatronEngine] = {}
+
+    def setup_parallel(self, megatron_cfg: Any) -> ParallelConfig:
+        parallel = parallel_config(megatron_cfg)
+        self.parallel = init_model_parallel(
+            parallel.tensor_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+            parallel.virtual_pipeline_model_parallel_size,
+            parallel.context_parallel_size,
+            seed=int(megatron_cfg.seed) + int(self.cfg.trainer.seed),
+        )
+        return parallel
+
+    @staticmethod
+    def params_dtype(megatron_cfg: Any) -> torch.dtype:
+        name = str(megatron_cfg.get("params_dtype") or ("bfloat16" if is_cuda() else "float32"))
+        if name not in DTYPES:
+            raise ValueError(f"megatron.params_dtype={name!r} is not one of {sorted(DTYPES)}")
+        return DTYPES[name]
+
+    @staticmethod
+    def load_arch(path: str, head: str) -> ModelArch:
+        return ModelArch.from_hf_dir(os.path.expanduser(path), head=head)
+
+    # ------------------------------------------------------------------ forward helpers
+    def forward_rows(
+        self,
+        engine: MegatronEngine,
+        batch: Batch,
+        fn,
+        micro_batch_size: int | None,
+        max_tokens: int | None = None,
+        extra_keys: tuple[str, ...] = (),
+    ) -> dict[str, torch.Tensor] | None:
+        """Forward-only over ``batch``; ``{name: [B, ...]}`` in row order on output ranks, else None."""
+        micros = split_micro_batches(batch, (*MODEL_KEYS, *extra_keys), micro_batch_size, max_tokens)
+
+        def loss_fn(output, micro):
+            out = fn(output, micro)
+            return output.new_zeros(()), {**out, "_rows": micro["_rows"]}
+
+        collected = engine.run(micros, loss_fn, forward_only=True)
+        if not collected:
+            return None
+        rows = torch.cat([c["_rows"] for c in collected])
+        order = torch.argsort(rows)
+        return {k: torch.cat([c[k] for c in collected])[order] for k in collected[0] if k != "_rows"}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Collective: every engine's model (dist-checkpoint), plus this rank's optimizer/RNG state."""
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from rlhf_megatron.models.checkpoint import save_model_checkpoint
+
+        root = Path(ckpt_dir)
+        for name, engine in self.engines.items():
+            if engine.optimizer is None:
+                continue  # frozen models (reference) are rebuilt from the HF checkpoint
+            save_model_checkpoint(engine.chunks, root / name / "model", engine.arch, engine.parallel,
+                                  hf_dir=self.model_path(name), source=f"{self.role}:{name}")  # fmt: skip
+            state = {
+                "engine": engine.state_for_checkpoint(),
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "numpy": np.random.get_state(),
+                    "python": random.getstate(),
+                    "tracker": get_cuda_rng_tracker().get_states(),
+                },
+            }
+            _atomic_torch_save(state, root / name / f"state_rank{self.rank:05d}.pt")
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        from rlhf_megatron.models.checkpoint import load_model_checkpoint
+
+        root = Path(ckpt_dir)
+        for name, engine in self.engines.items():
+            if engine.optimizer is None:
+                continue
+            load_model_checkpoint(engine.chunks, root / name / "model")
+            path = root / name / f"state_rank{self.rank:05d}.pt"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"[{self.role}] rank {self.rank}: {path} is missing; a checkpoint resumes only with the "
+                    "same number of processes it was saved with"
+                )
+            state = torch.load(path, weights_only=False)
+            engine.load_checkpoint_state(state["engine"])
+            torch.set_rng_state(state["rng"]["torch"])
+            np.random.set_state(state["rng"]["numpy"])
+            random.setstate(state["rng"]["python"])
+            get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
+        self.on_weights_loaded()
+
+    def on_weights_loaded(self) -> None:
+        """Hook for roles that derive state from the weights (the actor's rollout copy)."""
+
+    def model_path(self, engine_name: str) -> str:
+        raise NotImplementedError
