@@ -9,7 +9,7 @@ Adding a subcommand (e.g. ``convert`` or ``launch``): write ``def main(argv: lis
 in your module (parse ``argv`` with argparse, return the exit status) and add one line to
 ``SUBCOMMANDS``::
 
-    "convert": Subcommand("rlhf_megatron.tools.convert_ckpt:main", "HF <-> Megatron checkpoints"),
+    "convert": Subcommand("rlhf_megatron.tools_cli.convert:main", "HF <-> Megatron checkpoints"),
 
 or call ``register_subcommand`` from code that runs before ``main``.
 
@@ -49,6 +49,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "launch": Subcommand(
         "rlhf_megatron.launch:main", "start Ray and the driver on Slurm, Kubernetes or this machine"
+    ),
+    "convert": Subcommand(
+        "rlhf_megatron.tools_cli.convert:main", "HF <-> megatron-core checkpoints (hf-to-mcore, mcore-to-hf)"
     ),
 }
 
@@ -101,6 +104,9 @@ def plan_main(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point: ``rlhf-megatron <subcommand> [args]``."""
+    from rlhf_megatron.platform import quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())

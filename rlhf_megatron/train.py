@@ -75,6 +75,9 @@ def start_training(cfg: DictConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from rlhf_megatron.platform import quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
     args = build_parser().parse_intermixed_args(argv)
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -33,6 +33,7 @@ def build_tiny_hf_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    extra_words: tuple[str, ...] = (),
 ):
     """A random ``arch`` model (float32, seeded) and the tiny tokenizer, in memory: ``(model, tokenizer)``."""
     import transformers
@@ -41,7 +42,7 @@ def build_tiny_hf_model(
 
     if arch not in ARCH_CONFIGS:
         raise ValueError(f"tiny model: arch {arch!r} is not one of {sorted(ARCH_CONFIGS)}")
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(extra_words)
     cls_name, extra = ARCH_CONFIGS[arch]
     config = getattr(transformers, cls_name)(
         vocab_size=len(tokenizer),
@@ -82,6 +83,7 @@ def make_tiny_hf_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     max_shard_size: str | None = None,
+    extra_words: tuple[str, ...] = (),
 ) -> Path:
     """Write a random ``arch`` model plus the tiny tokenizer to ``out_dir``; return the path."""
     model, tokenizer = build_tiny_hf_model(
@@ -95,6 +97,7 @@ def make_tiny_hf_model(
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
         seed=seed,
+        extra_words=extra_words,
     )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ __all__ = [
     "init_distributed",
     "init_model_parallel",
     "is_cuda",
+    "quiet_cpu_fallback_warnings",
     "set_seed",
     "setup_platform",
 ]
@@ -60,6 +61,18 @@ def get_backend() -> str:
     return "nccl" if is_cuda() else "gloo"
 
 
+def quiet_cpu_fallback_warnings() -> None:
+    """Silence megatron's notices that it uses its torch kernels (expected without TE/apex)."""
+    if is_cuda():
+        return
+    for message in (
+        "Transformer Engine and Apex are not installed",
+        "Apex is not installed",
+        "When using async grad allreduce it is recommended",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+
+
 def setup_platform() -> torch.device:
     """Prepare this process for megatron-core. Call once, before building models.
 
@@ -69,13 +82,7 @@ def setup_platform() -> torch.device:
     if is_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     else:
-        # Expected on CPU: megatron falls back to its torch implementations.
-        for message in (
-            "Transformer Engine and Apex are not installed",
-            "Apex is not installed",
-            "When using async grad allreduce it is recommended",
-        ):
-            warnings.filterwarnings("ignore", message=message)
+        quiet_cpu_fallback_warnings()
         enable_cpu_compat()
     return get_device()
 

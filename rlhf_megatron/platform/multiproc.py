@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,7 +54,9 @@ def _worker(fn, rank, world_size, port, args, env, init_pg, results):
 
             init_distributed()
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle bytes, not the queue's tensor sharing: shared tensors travel as file
+        # descriptors that vanish when this process exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -115,7 +118,7 @@ def run_on_ranks(
                 continue
             if not ok:
                 raise RankFailedError(rank, f"rank {rank} of {world_size} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outputs) == world_size else 0.1)

@@ -136,6 +136,13 @@ class VLLMEngine:
         batched = _get(rollout_cfg, "max_num_batched_tokens", None)
         if batched:
             kwargs["max_num_batched_tokens"] = int(batched)
+        # A partially prefilled request rewinds its sampling generator's offset, which CPU
+        # generators do not have ("CPU Generator does not use offset"); whole-prompt prefill
+        # keeps per-request seeds usable on CPU.
+        chunked = bool(_get(rollout_cfg, "enable_chunked_prefill", False)) and torch.cuda.is_available()
+        kwargs["enable_chunked_prefill"] = chunked
+        if not chunked:
+            kwargs["max_num_batched_tokens"] = max(int(batched or 0), max_model_len)
         if torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
         if not torch.cuda.is_available():

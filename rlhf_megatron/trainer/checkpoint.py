@@ -1,0 +1,127 @@
+"""Atomic, prunable run checkpoints under ``trainer.default_local_dir``.
+
+Layout (verl's names, so tooling that reads verl runs finds its way):
+
+    <root>/global_step_<k>/actor/...          actor model (dist-checkpoint) + per-rank optimizer/RNG
+    <root>/global_step_<k>/critic/...         the same for the critic
+    <root>/global_step_<k>/trainer_state.json step, dataloader position, KL controller
+    <root>/latest_checkpointed_iteration.txt  the step of the newest complete checkpoint
+
+A save goes to ``<root>/.global_step_<k>.tmp`` and is renamed into place only
+after every worker finished writing and the trainer state is on disk; the
+marker is rewritten (temp file + rename) last. A crash at any point leaves
+the previous checkpoint and marker untouched, and a leftover ``.tmp``
+directory is never mistaken for a checkpoint (it is removed by the next
+save). ``max_to_keep`` prunes the oldest complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+MARKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the path."""
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path, max_to_keep: int | None = None):
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep if max_to_keep and max_to_keep > 0 else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{step}"
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for step ``step``'s checkpoint (workers write into it)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.root, os.W_OK):
+            raise CheckpointError(f"cannot write checkpoints: {self.root} is not writable")
+        tmp = self.root / f".global_step_{step}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
+        """Finish a save: trainer state, rename into place, move the marker, prune."""
+        _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
+        final = self.step_dir(step)
+        if final.exists():  # re-saving a step (e.g. a resumed run ends where the last save was)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(self.root / MARKER, f"{step}\n")
+        self._prune()
+        return final
+
+    def abort(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def complete_steps(self) -> list[int]:
+        steps = []
+        for d in self.root.glob("global_step_*"):
+            suffix = d.name.removeprefix("global_step_")
+            if suffix.isdigit() and (d / STATE_FILE).is_file():
+                steps.append(int(suffix))
+        return sorted(steps)
+
+    def _prune(self) -> None:
+        if self.max_to_keep is None:
+            return
+        for step in self.complete_steps()[: -self.max_to_keep]:
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint named by the marker, or None when there is none."""
+        marker = self.root / MARKER
+        if not marker.is_file():
+            return None
+        text = marker.read_text().strip()
+        if not text.isdigit():
+            raise CheckpointError(
+                f"{marker} should hold a step number, found {text!r}; delete it to start fresh"
+            )
+        path = self.step_dir(int(text))
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(
+                f"{marker} points at step {text}, but {path / STATE_FILE} is missing: the checkpoint is incomplete. "
+                f"Point trainer.resume_from_path at another global_step_* directory or set trainer.resume_mode=disable"
+            )
+        return path
+
+    def resolve(self, resume_mode: str, resume_from_path: str | None) -> Path | None:
+        """What to resume from: ``auto`` (latest, if any), ``disable`` (nothing) or an explicit path."""
+        if resume_mode == "disable":
+            return None
+        if resume_mode == "auto" and not resume_from_path:
+            return self.latest()
+        path = Path(resume_from_path or resume_mode)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(
+                f"trainer.resume_from_path={path} is not a complete checkpoint (no {STATE_FILE}); "
+                "pass a global_step_* directory"
+            )
+        return path
+
+    @staticmethod
+    def read_state(path: Path) -> dict[str, Any]:
+        try:
+            return json.loads((path / STATE_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"cannot read {path / STATE_FILE}: {e}") from e

@@ -1,0 +1,101 @@
+"""Step metrics as verl users know them: data statistics, timings, throughput and MFU.
+
+Pure functions of a finished step's ``Batch`` and timings; the loop calls them
+once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+
+import torch
+
+from rlhf_megatron.data.batch import Batch
+
+
+@contextlib.contextmanager
+def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    values = values.float()
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
+            f"{prefix}/min": float(values.min())}  # fmt: skip
+
+
+def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
+    """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, lengths."""
+    mask = batch["response_mask"].bool()
+    response_len = mask.sum(-1).float()
+    prompt_width = batch["prompts"].shape[1]
+    prompt_len = batch["attention_mask"][:, :prompt_width].sum(-1).float()
+    metrics = {
+        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", batch["advantages"][mask]),
+        **_stats("critic/returns", batch["returns"][mask]),
+        **_stats("response_length", response_len),
+        **_stats("prompt_length", prompt_len),
+        "response_length/clip_ratio": float((response_len == batch["responses"].shape[1]).float().mean()),
+    }
+    if use_critic:
+        metrics.update(_stats("critic/values", batch["values"][mask]))
+    return metrics
+
+
+def mean_over_ranks(results: list[dict[str, float]]) -> dict[str, float]:
+    """Average per-DP-rank metric dicts (each rank reports means over its own data)."""
+    keys = sorted({k for r in results for k in r})
+    return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in keys}
+
+
+@functools.cache
+def peak_flops_per_device() -> float:
+    """Dense bf16 peak of this device (known GPUs), or a measured fp32 matmul rate on CPU."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12),
+                           ("A10", 125e12), ("V100", 125e12)):  # fmt: skip
+            if key in name:
+                return flops
+        return 100e12
+    a = torch.randn(512, 512)
+    torch.mm(a, a)
+    start = time.perf_counter()
+    reps = 20
+    for _ in range(reps):
+        torch.mm(a, a)
+    return 2 * 512**3 * reps / (time.perf_counter() - start)
+
+
+def compute_perf_metrics(
+    batch: Batch, step_seconds: float, world_size: int, n_params: int, ppo_epochs: int, use_critic: bool,
+    use_ref: bool,
+) -> dict[str, float]:  # fmt: skip
+    """Tokens per second per device, and model FLOPs utilisation.
+
+    FLOPs use the 2N-per-token rule for a forward pass (6N with backward):
+    generation (2N per response token), old log-prob and reference passes
+    (2N each per token), the critic's value pass and update, and the actor's
+    update (6N x epochs). Attention's sequence-quadratic term is left out, as
+    is usual for short RL sequences.
+    """
+    tokens = float(batch["attention_mask"].sum())
+    response_tokens = float(batch["response_mask"].sum())
+    forward_passes = 1 + int(use_ref) + (1 + 3 * ppo_epochs if use_critic else 0)
+    flops = n_params * (2 * response_tokens + 2 * tokens * forward_passes + 6 * tokens * ppo_epochs)
+    return {
+        "perf/total_num_tokens": tokens,
+        "perf/throughput": tokens / step_seconds / world_size,
+        "perf/mfu": flops / step_seconds / world_size / peak_flops_per_device(),
+    }

@@ -1,0 +1,32 @@
+"""tools/plot_metrics.py draws a PNG from metrics.jsonl and refuses bad input clearly."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools/plot_metrics.py"), *map(str, args)],
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_plot_writes_png(tmp_path):
+    rows = [{"step": s, "critic/score/mean": s / 10, "val/reward_mean": s / 9, "actor/ppo_kl": 0.01,
+             "response_length/mean": 5 + s, "timing_s/step": 1.0, "timing_s/gen": 0.5,
+             "timing_s/update_actor": 0.3} for s in range(1, 5)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_errors_name_the_file(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 2 and "metrics.jsonl does not exist" in proc.stderr
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, ')
+    proc = _run(tmp_path)
+    assert proc.returncode == 2 and "metrics.jsonl:2 is not JSON" in proc.stderr
