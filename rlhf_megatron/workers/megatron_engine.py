@@ -33,6 +33,11 @@ from rlhf_megatron.models.arch import ModelArch
 from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 
+
+class NonFiniteGradientError(FloatingPointError):
+    """Gradients held NaN/inf under ``trainer.nan_policy=stop``; raised before the optimizer step."""
+
+
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -141,6 +146,16 @@ class MegatronEngine:
             DistributedDataParallel(self.config, ddp_cfg, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(self.chunks)
         ]
+        # What megatron's schedules call around backward (Megatron-LM's training loop sets the
+        # same): no gradient all-reduce until the last micro-batch, then the data-parallel
+        # reduction (averaged over DP ranks), the tied-embedding and layer-norm all-reduces.
+        # Without finalize_model_grads, data-parallel ranks would each step on their own grads.
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.no_sync_func = (
+            [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
         lr = float(_get(optim_cfg, "lr", 1e-6))
         betas = _get(optim_cfg, "betas", (0.9, 0.999))
         opt_cfg = OptimizerConfig(
@@ -217,17 +232,55 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, Any]:
-        """One optimizer step over a mini-batch: zero grads, forward/backward, clip, step, LR step."""
+    def train_step(
+        self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn, nan_policy: str = "stop",
+        where: str = "",
+    ) -> dict[str, Any]:  # fmt: skip
+        """One optimizer step over a mini-batch: zero grads, forward/backward, NaN check, clip, step, LR step.
+
+        ``nan_policy`` (``trainer.nan_policy``): when any rank's gradients are not finite,
+        ``stop`` raises ``NonFiniteGradientError`` (prefixed with ``where``, e.g. "[actor]
+        rank 0 step 3") and ``skip`` zeroes the gradients and returns without an optimizer
+        or scheduler step (``nan_skipped``). Either way the weights are untouched.
+        """
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = self.run(micro_batches, loss_fn, forward_only=False)
+        bad_ranks = self._ranks_with_nonfinite_grads()
+        if bad_ranks:
+            if nan_policy != "skip":
+                raise NonFiniteGradientError(
+                    f"{where}: gradients hold NaN/inf on rank(s) {bad_ranks} of this role; the optimizer step "
+                    "was not taken, so the weights are unpoisoned. Check rewards/advantages for NaN, lower the LR "
+                    "or set trainer.nan_policy=skip to drop such updates"
+                )
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return {"metrics": metrics, "grad_norm": float("nan"), "update_ok": False, "nan_skipped": True}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(1)
         return {"metrics": metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "update_ok": bool(ok)}  # fmt: skip
+                "update_ok": bool(ok), "nan_skipped": False}  # fmt: skip
+
+    def _ranks_with_nonfinite_grads(self) -> list[int]:
+        """Ranks (of the role's world) whose gradient buffers hold NaN/inf; the same list on every rank.
+
+        A collective over the whole role: every rank reaches it once per ``train_step``, so
+        they agree to skip (or stop) together and no rank steps its shard alone. DDP grad
+        buffers hold every parameter's gradient (fp32, ``grad_reduce_in_fp32``).
+        """
+        grads = [buf.grad_data for chunk in self.chunks
+                 for buf in (*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", []))]  # fmt: skip
+        local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        device = grads[0].device if grads else torch.device("cpu")
+        flags = torch.zeros(world, dtype=torch.float32, device=device)
+        flags[rank] = float(local_bad)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return [r for r in range(world) if flags[r] > 0]
 
     # ------------------------------------------------------------------ offload (GPU colocation)
     @contextlib.contextmanager

@@ -184,6 +184,10 @@ def _distributed_optimizer_training(rank, world_size):
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=2e-3, clip_grad=1.0, use_distributed_optimizer=True), [ddp]
     )
+    # The data-parallel gradient reduction megatron's schedule runs after the last micro-batch.
+    from megatron.core.distributed import finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
     tokens, pos, mask = _batch()
     # Each DP rank trains on its own half of the batch.
     half = BATCH // 2

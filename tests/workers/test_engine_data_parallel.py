@@ -1,0 +1,53 @@
+"""Data parallelism in MegatronEngine: DP=2 on half batches steps exactly like DP=1 on the whole batch.
+
+This is what finalize_model_grads (the DP all-reduce megatron's schedules call after the last
+micro-batch) guarantees; without it each DP rank would step on its own half's gradients.
+"""
+
+import pytest
+import torch
+
+from rlhf_megatron.platform.multiproc import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rlhf_megatron.models.tiny import make_tiny_hf_model
+
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2, hidden_size=128,
+                                  num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+
+
+def _train(rank, world, model, dist_opt):
+    from rlhf_megatron.data.batch import Batch
+    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.platform import init_model_parallel
+    from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
+
+    info = init_model_parallel(1, 1, seed=1)
+    arch = ModelArch.from_hf_dir(model)
+    engine = MegatronEngine(arch, ParallelConfig(), model, train=True, optim_cfg={"lr": 1e-3},
+                            megatron_cfg={"use_distributed_optimizer": dist_opt}, total_steps=10)  # fmt: skip
+    ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    full = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                            "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    mine = full.chunk(info.dp_size)[info.dp_rank]
+    norms = []
+    for _ in range(2):
+        micros = split_micro_batches(mine, ("input_ids", "attention_mask", "position_ids"), 2)
+        result = engine.train_step(micros, lambda out, m: (out.float().pow(2).mean() * m["_weight"], {}))
+        norms.append(result["grad_norm"])
+    params = torch.cat([p.detach().flatten() for p in engine.chunks[0].parameters()])
+    return norms, params
+
+
+@pytest.mark.parametrize("dist_opt", [False, True])
+def test_dp2_half_batches_equal_dp1_whole_batch(tiny, dist_opt):
+    ((single_norms, single_params),) = run_on_ranks(_train, 1, tiny, dist_opt, timeout_s=300)
+    dp = run_on_ranks(_train, 2, tiny, dist_opt, timeout_s=300)
+    for norms, params in dp:
+        assert norms == pytest.approx(single_norms, rel=1e-5)
+        torch.testing.assert_close(params, single_params, rtol=1e-5, atol=1e-6)
