@@ -282,6 +282,21 @@ class TrainerConfig:
     seed: int = 1
     """Global seed of Python, NumPy and torch in every process."""
 
+    nan_policy: str = "stop"
+    """What an optimizer step does when any rank's gradients hold NaN/inf (checked after
+    backward, before ``optimizer.step()``, agreed across the role's ranks): ``stop`` raises
+    naming the role, rank and step, before the weights are touched; ``skip`` drops that
+    mini-batch's update (no optimizer or LR-scheduler step) and counts it in
+    ``actor/nan_skipped`` / ``critic/nan_skipped``. Default ``stop``: in RL a non-finite
+    gradient usually means a bug upstream (a NaN reward, exploding ratios), which skipping
+    would hide; Megatron-LM also raises by default (``check_for_nan_in_loss_and_grad``).
+    (our extension)"""
+
+    verify_checkpoint: str = "sha256"
+    """How a resume checks the checkpoint against the manifest written when it was saved:
+    ``sha256`` (size and hash of every file; reads the whole checkpoint once in the driver),
+    ``size`` (existence and size only, instant) or ``none``. (our extension)"""
+
     gpu_memory_gb: float = 80.0
     """Memory per accelerator in GiB, as nvidia-smi reports it; used by ``rlhf-megatron plan``
     (our extension)."""

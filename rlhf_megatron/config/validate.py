@@ -86,6 +86,8 @@ CHOICES: dict[str, tuple] = {
     "critic.optim.warmup_style": ("constant", "cosine"),
     "reward.on_error": ("raise", "zero"),
     "trainer.device": ("auto", "cuda", "cpu"),
+    "trainer.nan_policy": ("stop", "skip"),
+    "trainer.verify_checkpoint": ("sha256", "size", "none"),
     **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
 }
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -162,6 +164,7 @@ def check_positive(ctx: ValidationContext) -> list[str]:
         f"{ACTOR}.ppo_mini_batch_size",
         f"{ACTOR}.ppo_epochs",
         f"{ROLLOUT}.tensor_model_parallel_size",
+        f"{ROLLOUT}.n",
         "critic.ppo_mini_batch_size",
         "critic.ppo_epochs",
     ]
@@ -369,8 +372,12 @@ def check_mini_batch_divides_train_batch(ctx: ValidationContext) -> list[str]:
     """``train_batch_size x n`` splits into whole mini-batches of ``ppo_mini_batch_size x n``."""
     train, n = ctx.get("data.train_batch_size"), ctx.get(f"{ROLLOUT}.n")
     out = []
+    if n < 1 or train < 1:
+        return out  # reported by check_positive; the modulo below needs positive sizes
     for _, section in _trained_roles(ctx):
         mini = ctx.get(f"{section}.ppo_mini_batch_size")
+        if mini < 1:
+            continue  # reported by check_positive
         if mini > train or (train * n) % (mini * n):
             out.append(
                 f"data.train_batch_size x rollout.n = {train} x {n} is not a multiple of "

@@ -40,6 +40,7 @@ __all__ = [
     "CKPT_METADATA_FILE",
     "CheckpointError",
     "CheckpointMetadata",
+    "check_checkpoint_sizes",
     "FORMAT_VERSION",
     "checkpoint_tensor_specs",
     "copy_hf_side_files",
@@ -86,6 +87,8 @@ class CheckpointMetadata:
     """Parameter dtype as saved, e.g. ``float32`` or ``bfloat16``."""
     files: dict[str, str] = field(default_factory=dict)
     """sha256 of every other file in the directory (relative path -> hex digest)."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Size in bytes of every file in ``files`` (empty in checkpoints from before sizes were kept)."""
     source: str | None = None
     """Where the weights came from (an HF directory, a training step)."""
     format: str = FORMAT_NAME
@@ -103,6 +106,7 @@ class CheckpointMetadata:
             "dtype": self.dtype,
             "source": self.source,
             "files": self.files,
+            "sizes": self.sizes,
         }
         return json.dumps(data, indent=2) + "\n"
 
@@ -126,6 +130,7 @@ class CheckpointMetadata:
             virtual_pipeline_model_parallel_size=data["virtual_pipeline_model_parallel_size"],
             dtype=data["dtype"],
             files=data.get("files", {}),
+            sizes=data.get("sizes", {}),
             source=data.get("source"),
         )
 
@@ -176,6 +181,20 @@ def verify_checkpoint_files(ckpt_dir: Path, meta: CheckpointMetadata) -> None:
     bad = [f for f, digest in meta.files.items() if actual.get(f) != digest]
     if bad:
         raise CheckpointError(f"{ckpt_dir}: sha256 mismatch (corrupt or modified) for: {', '.join(bad)}")
+
+
+def check_checkpoint_sizes(ckpt_dir: Path, meta: CheckpointMetadata) -> None:
+    """Cheap integrity check (no reads): every listed file exists with its recorded size."""
+    for rel in meta.files:
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing (listed in {CKPT_METADATA_FILE})")
+        expected = meta.sizes.get(rel)
+        if expected is not None and path.stat().st_size != expected:
+            raise CheckpointError(
+                f"checkpoint file {path} is {path.stat().st_size} bytes, {CKPT_METADATA_FILE} says {expected} "
+                "(truncated or overwritten); restore it or re-create the checkpoint"
+            )
 
 
 def copy_hf_side_files(src: Path, dst: Path) -> list[str]:
@@ -233,19 +252,29 @@ def save_model_checkpoint(
         if hf_dir is not None:
             copy_hf_side_files(Path(hf_dir), ckpt_dir)
         meta.files = sha256_of_files(ckpt_dir)
+        meta.sizes = {rel: (ckpt_dir / rel).stat().st_size for rel in meta.files}
         (ckpt_dir / CKPT_METADATA_FILE).write_text(meta.to_json())
     torch.distributed.barrier()
     return meta
 
 
 def load_model_checkpoint(
-    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path
+    model_chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, verify_sha256: bool = False
 ) -> CheckpointMetadata:
-    """Load a model checkpoint saved at any layout into this rank's chunks (collective)."""
+    """Load a model checkpoint saved at any layout into this rank's chunks (collective).
+
+    Always checks that every file of the metadata exists with its recorded size (a
+    truncated shard otherwise loads as garbage or fails deep inside torch); with
+    ``verify_sha256`` also hashes every file (reads the whole checkpoint once more).
+    """
     from megatron.core import dist_checkpointing
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     meta = read_checkpoint_metadata(ckpt)
+    if verify_sha256:
+        verify_checkpoint_files(ckpt, meta)
+    else:
+        check_checkpoint_sizes(ckpt, meta)
     state = dist_checkpointing.load(_sharded_state_dict(model_chunks), str(ckpt))
     if len(model_chunks) == 1:
         unwrap_model(model_chunks[0]).load_state_dict(state)

@@ -195,6 +195,7 @@ class ScoringPool:
             if (
                 outcomes[i] is None
                 and future.done()
+                and not future.cancelled()  # the kill cancels queued rows; exception() would raise
                 and not isinstance(future.exception(), BrokenProcessPool)
             ):
                 self._record(future, i, started, outcomes)

@@ -5,6 +5,7 @@ Layout (verl's names, so tooling that reads verl runs finds its way):
     <root>/global_step_<k>/actor/...          actor model (dist-checkpoint) + per-rank optimizer/RNG
     <root>/global_step_<k>/critic/...         the same for the critic
     <root>/global_step_<k>/trainer_state.json step, dataloader position, KL controller
+    <root>/global_step_<k>/manifest.json      size and sha256 of every other file, written last
     <root>/latest_checkpointed_iteration.txt  the step of the newest complete checkpoint
 
 A save goes to ``<root>/.global_step_<k>.tmp`` and is renamed into place only
@@ -13,10 +14,15 @@ marker is rewritten (temp file + rename) last. A crash at any point leaves
 the previous checkpoint and marker untouched, and a leftover ``.tmp``
 directory is never mistaken for a checkpoint (it is removed by the next
 save). ``max_to_keep`` prunes the oldest complete checkpoints.
+
+The manifest makes a resume refuse a corrupt or truncated checkpoint instead of
+loading garbage: ``verify(path, mode)`` checks every file's size (``size``) and
+sha256 (``sha256``) before any worker reads it, and names the first bad file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +31,20 @@ from typing import Any
 
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+VERIFY_MODES = ("sha256", "size", "none")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -61,7 +81,15 @@ class CheckpointManager:
 
     def commit(self, step: int, tmp: Path, trainer_state: dict[str, Any]) -> Path:
         """Finish a save: trainer state, rename into place, move the marker, prune."""
-        _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
+        try:
+            _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
+            manifest = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                        for p in _files(tmp)}  # fmt: skip
+            _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+        except OSError as e:  # ENOSPC and friends: say where, keep the previous checkpoint
+            raise CheckpointError(
+                f"saving step {step} failed writing under {tmp}: {e}; the previous checkpoint is untouched"
+            ) from e
         final = self.step_dir(step)
         if final.exists():  # re-saving a step (e.g. a resumed run ends where the last save was)
             shutil.rmtree(final)
@@ -118,6 +146,36 @@ class CheckpointManager:
                 "pass a global_step_* directory"
             )
         return path
+
+    @staticmethod
+    def verify(path: Path, mode: str = "sha256") -> None:
+        """Check ``path`` against its manifest: every listed file present, same size (and sha256).
+
+        Raises ``CheckpointError`` naming the first bad file. Checkpoints saved before manifests
+        existed (no manifest.json) are accepted unchecked.
+        """
+        if mode not in VERIFY_MODES:
+            raise CheckpointError(f"trainer.verify_checkpoint={mode!r} is not one of {VERIFY_MODES}")
+        manifest_path = path / MANIFEST_FILE
+        if mode == "none" or not manifest_path.is_file():
+            return
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"cannot read {manifest_path}: {e}; the checkpoint cannot be verified") from e
+        hint = "restore the file, or resume from another global_step_* (trainer.resume_from_path)"
+        for rel, entry in sorted(manifest.items()):
+            file = path / rel
+            if not file.is_file():
+                raise CheckpointError(f"checkpoint file {file} is missing; {hint}")
+            size = file.stat().st_size
+            if size != entry["size"]:
+                raise CheckpointError(
+                    f"checkpoint file {file} is {size} bytes, the manifest says {entry['size']} "
+                    f"(truncated or overwritten); {hint}"
+                )
+            if mode == "sha256" and _sha256(file) != entry["sha256"]:
+                raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt); {hint}")
 
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:

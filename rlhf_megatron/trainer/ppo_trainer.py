@@ -33,6 +33,7 @@ from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.metrics import compute_data_metrics, compute_perf_metrics, mean_over_ranks, timer
+from rlhf_megatron.workers.faults import kill_self_if_requested
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ class PPOTrainer:
             self.actor.call("save_checkpoint", str(tmp))
             if self.use_critic:
                 self.critic.call("save_checkpoint", str(tmp))
+            kill_self_if_requested("save", self.global_step)  # test hook (RLHF_FAULT): die before commit
             state = {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
                      "kl_ctrl": self.kl_ctrl.state_dict()}  # fmt: skip
             self.checkpoints.commit(self.global_step, tmp, state)
@@ -244,6 +246,8 @@ class PPOTrainer:
         path = self.checkpoints.resolve(str(trainer.resume_mode), trainer.resume_from_path)
         if path is None:
             return
+        # Refuse a corrupt/truncated checkpoint before any worker loads a byte of it.
+        self.checkpoints.verify(path, str(trainer.get("verify_checkpoint", "sha256")))
         state = self.checkpoints.read_state(path)
         self.actor.call("load_checkpoint", str(path))
         if self.use_critic:

@@ -30,6 +30,8 @@ WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning",
+    # Test hook (rlhf_megatron/workers/faults.py): forwarded so worker processes see it too.
+    **({"RLHF_FAULT": os.environ["RLHF_FAULT"]} if os.environ.get("RLHF_FAULT") else {}),
 }
 
 
@@ -125,6 +127,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     plain = OmegaConf.to_container(cfg, resolve=True)
     model_path = os.path.expanduser(str(cfg.actor_rollout_ref.model.path))
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.get("tokenizer_path") or model_path)
+    check_tokenizer_fits_model(tokenizer, ModelArch.from_hf_dir(model_path), model_path)
     train_loader, val_loader = _loaders(cfg, tokenizer)
     total = int(cfg.trainer.total_training_steps or 0)
     if total <= 0:
@@ -163,6 +166,20 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
             pool.remove()
         if started_ray:
             ray.shutdown()
+
+
+def check_tokenizer_fits_model(tokenizer, arch, model_path: str) -> None:
+    """Every token id the tokenizer can produce must have a row in the model's embedding.
+
+    Checked in the driver before any process starts: a tokenizer with more tokens than the
+    model's vocabulary otherwise fails much later as an index error inside an embedding.
+    """
+    if len(tokenizer) > arch.vocab_size:
+        raise ValueError(
+            f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has {len(tokenizer)} tokens but the model "
+            f"at {model_path} has vocab_size={arch.vocab_size}: token ids past {arch.vocab_size - 1} have no "
+            "embedding. Use the model's own tokenizer (actor_rollout_ref.model.tokenizer_path) or resize the model"
+        )
 
 
 def _report(run_dir: Path, history: list[dict[str, Any]]) -> None:

@@ -26,6 +26,7 @@ from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.rollout import SamplingConfig, build_rollout_engine
 from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
+from rlhf_megatron.workers.faults import fault_requested, kill_self_if_requested
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
@@ -110,6 +111,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's current weights into the rollout engine (collective over the actor)."""
+        kill_self_if_requested("sync", self.update_count, self.rank)  # test hook (RLHF_FAULT)
         start = time.perf_counter()
         self.engine.wake_up()
         self.engine.update_weights(self.syncer.iter_weights())
@@ -127,6 +129,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         """``n`` responses per prompt (``val_kwargs`` when ``validate``, one greedy sample when
         ``greedy``); syncs stale weights first. ``seed`` makes the samples a function of
         (weights, prompts, seed): the driver passes one per step so resumed runs match."""
+        if not (validate or greedy):  # test hook (RLHF_FAULT): this process's (update_count+1)-th step
+            kill_self_if_requested("gen", self.update_count + 1, self.rank)
         sync = self.sync_weights() if self.weights_stale else {}
         megatron = self.cfg.actor_rollout_ref.actor.megatron
         if seed is not None:  # distinct seeds for the prompts of different rollout DP groups
@@ -224,6 +228,9 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     def update_actor(self, batch: Batch, step: int = 0) -> dict[str, float]:
         """PPO epochs × mini-batches × micro-batches; returns averaged metrics (on output ranks)."""
         start = time.perf_counter()
+        kill_self_if_requested("update", self.update_count + 1, self.rank)  # test hook (RLHF_FAULT)
+        if fault_requested("nan", self.update_count + 1, self.rank):
+            batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         actor = self.cfg.actor_rollout_ref.actor
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
         n = int(self.cfg.actor_rollout_ref.rollout.n)
@@ -236,6 +243,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             )
         loss_fn = self._policy_loss_fn()
         records: dict[str, list[float]] = {}
+        nan_skipped = 0  # optimizer steps dropped under trainer.nan_policy=skip
         generator = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 1000003 + step)
         for _ in range(int(actor.ppo_epochs)):
             order = (
@@ -247,16 +255,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                     mini, keys, actor.ppo_micro_batch_size_per_gpu,
                     int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
                 )  # fmt: skip
-                result = self.actor.train_step(micros, loss_fn)
+                result = self.actor.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
+                                               f"[actor] rank {self.rank} step {step}")  # fmt: skip
                 for m in result["metrics"]:
                     for k, v in m.items():
                         records.setdefault(k, []).append(v)
                 records.setdefault("actor/grad_norm", []).append(result["grad_norm"])
                 records.setdefault("actor/update_ok", []).append(float(result["update_ok"]))
+                nan_skipped += int(result["nan_skipped"])
         self.weights_stale = True
         self.update_count += 1
         metrics = {k: _mean(v) for k, v in records.items()}
         metrics["actor/lr"] = self.actor.lr
+        metrics["actor/nan_skipped"] = float(nan_skipped)
         metrics["timing_s/update_actor"] = time.perf_counter() - start
         return metrics
 

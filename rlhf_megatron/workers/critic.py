@@ -91,6 +91,7 @@ class CriticWorker(MegatronRoleWorker):
 
         keys = (*MODEL_KEYS, "responses", "response_mask", "values", "returns")
         records: dict[str, list[float]] = {}
+        nan_skipped = 0  # optimizer steps dropped under trainer.nan_policy=skip
         generator = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 1000033 + step)
         for _ in range(int(critic.ppo_epochs)):
             order = (
@@ -103,13 +104,16 @@ class CriticWorker(MegatronRoleWorker):
                     batch[order[s : s + mini_rows]], keys, critic.ppo_micro_batch_size_per_gpu,
                     int(critic.ppo_max_token_len_per_gpu) if critic.use_dynamic_bsz else None,
                 )  # fmt: skip
-                result = self.critic.train_step(micros, loss_fn)
+                result = self.critic.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
+                                                f"[critic] rank {self.rank} step {step}")  # fmt: skip
+                nan_skipped += int(result["nan_skipped"])
                 for m in result["metrics"]:
                     for k, v in m.items():
                         records.setdefault(k, []).append(v)
                 records.setdefault("critic/grad_norm", []).append(result["grad_norm"])
         metrics = {k: sum(v) / len(v) for k, v in records.items()}
         metrics["critic/lr"] = self.critic.lr
+        metrics["critic/nan_skipped"] = float(nan_skipped)
         metrics["timing_s/update_critic"] = time.perf_counter() - start
         return metrics
 

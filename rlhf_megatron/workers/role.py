@@ -56,7 +56,12 @@ def parallel_config(megatron_cfg: Any) -> ParallelConfig:
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
+    # Through a Python file object: a full disk then raises OSError "No space left on device"
+    # (torch's own writer reports only "iostream error").
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -118,11 +123,25 @@ class MegatronRoleWorker(Worker):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Collective: every engine's model (dist-checkpoint), plus this rank's optimizer/RNG state."""
+        root = Path(ckpt_dir)
+        try:
+            self._save_engines(root)
+        except (OSError, RuntimeError) as e:
+            # torch's writers report a full disk as "file write failed" without the path; say where.
+            import shutil
+
+            free = shutil.disk_usage(root).free if root.exists() else "unknown"
+            raise OSError(
+                f"[{self.role}] rank {self.rank}: writing the checkpoint under {root} failed "
+                f"({free} bytes free there): {type(e).__name__}: {e}"
+            ) from e
+        torch.distributed.barrier()
+
+    def _save_engines(self, root: Path) -> None:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         from rlhf_megatron.models.checkpoint import save_model_checkpoint
 
-        root = Path(ckpt_dir)
         for name, engine in self.engines.items():
             if engine.optimizer is None:
                 continue  # frozen models (reference) are rebuilt from the HF checkpoint
@@ -138,7 +157,6 @@ class MegatronRoleWorker(Worker):
                 },
             }
             _atomic_torch_save(state, root / name / f"state_rank{self.rank:05d}.pt")
-        torch.distributed.barrier()
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker

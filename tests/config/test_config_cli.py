@@ -28,12 +28,12 @@ def test_unknown_subcommand_suggests_the_nearest(capsys):
 
 def test_registered_subcommand_is_imported_lazily_and_gets_its_args(monkeypatch):
     calls = []
-    module = types.ModuleType("fake_convert_module")
+    module = types.ModuleType("fake_export_module")
     module.main = lambda argv: calls.append(argv) or 7
-    monkeypatch.setitem(sys.modules, "fake_convert_module", module)
+    monkeypatch.setitem(sys.modules, "fake_export_module", module)
     monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
-    cli.register_subcommand("convert", "fake_convert_module:main", "convert checkpoints")
-    assert cli.main(["convert", "--to", "hf"]) == 7
+    cli.register_subcommand("export", "fake_export_module:main", "export checkpoints")
+    assert cli.main(["export", "--to", "hf"]) == 7
     assert calls == [["--to", "hf"]]
 
 

@@ -1,0 +1,39 @@
+"""Test hook: inject a fault at a named point of a run (``RLHF_FAULT``). Not for production use.
+
+``RLHF_FAULT`` holds comma-separated entries ``<phase>:<step>[:<rank>]``; an entry without a
+rank applies to every rank. ``step`` counts the training steps *this process* has run
+(1 = the first step after start or resume), so a restarted run without the variable is
+unaffected. Phases, and where they act:
+
+- ``gen``, ``update``, ``sync``: the actor worker of that rank SIGKILLs itself at the start of
+  ``generate_sequences`` / ``update_actor`` / ``sync_weights`` (a crashed or OOM-killed process).
+- ``nan``: the actor's ``update_actor`` turns that step's advantages into NaN (a poisoned loss).
+- ``save``: the driver SIGKILLs itself mid-checkpoint: after the workers wrote their files
+  into the temporary directory, before the trainer commits it.
+
+The reliability tests (``tests/reliability``) drive these; nothing reads the variable otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "RLHF_FAULT"
+
+
+def fault_requested(phase: str, step: int, rank: int | None = None) -> bool:
+    """True if ``RLHF_FAULT`` asks for ``phase`` at ``step`` (on ``rank``, when the entry names one)."""
+    for entry in filter(None, os.environ.get(ENV, "").split(",")):
+        parts = entry.strip().split(":")
+        if parts[0] != phase or int(parts[1]) != step:
+            continue
+        if len(parts) < 3 or rank is None or int(parts[2]) == rank:
+            return True
+    return False
+
+
+def kill_self_if_requested(phase: str, step: int, rank: int | None = None) -> None:
+    """SIGKILL this process (no cleanup, no exception: like the OOM killer) when asked to."""
+    if fault_requested(phase, step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
