@@ -1,0 +1,337 @@
+"""Build the CPU quickstart's starting policy: the tiny tokenizer and a small Llama-style model,
+briefly pre-trained (supervised) on the arithmetic task so that it starts weak but not random.
+
+    .venv/bin/python tools/make_tiny_model.py [--out outputs/tiny_model] [--data-dir outputs/data/arith]
+
+It writes the RL prompts first (``train.parquet`` and ``test.parquet`` in ``--data-dir``, through
+``tools/data/arith.py``), then trains and saves the model (safetensors, tokenizer, ``stamp.json``)
+and prints one JSON object with the held-out accuracies.
+
+Why "weak but not random": GRPO learns only from groups whose samples disagree. A random model
+never answers correctly, so every group scores 0; a converged one always does. The recipe stops
+pre-training once greedy accuracy on a probe set reaches ``--target-accuracy``. There the format
+is learnt (greedy answers are all integers, most wrong ones off by a little: "near misses") and
+sampling at temperature 1 finds the right answer for about half the prompts within 8 tries.
+Accuracy climbs steeply around that point (about +0.1 per 5 steps), hence the frequent probe.
+
+Data hygiene: the three problem sets are disjoint. The test split (RL validation) is never
+trained on. The probe is held out of pre-training too, so early stopping judges generalization.
+Pre-training uses the rest, in its own RNG order. RL's train prompts are every non-test problem
+(probe ones included), since ``(max_operand + 1) ** 2`` problems are all there are.
+
+Takes about 5-30 s on one CPU thread and is deterministic for a given seed and thread count. A second run with the same arguments finds the stamp and skips (``--force`` rebuilds);
+the output directory is written to a temporary sibling and renamed into place.
+
+Boundaries: plain PyTorch and transformers on CPU; no Megatron, vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from rlhf_megatron.data.synthetic import make_arith_rows, make_arith_split
+from rlhf_megatron.models.tiny import build_tiny_hf_model
+from rlhf_megatron.rewards.arith import compute_score
+
+# Bump when the recipe changes in a way the arguments do not show, so old stamps stop matching.
+RECIPE_VERSION = 1
+STAMP_FILE = "stamp.json"
+ARITH_TOOL = Path(__file__).resolve().parent / "data" / "arith.py"
+# Separates the pre-training RNG from the split's, so SFT order is unrelated to RL's.
+_SFT_SEED_OFFSET = 1_000_003
+_WARMUP_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Example:
+    """One chat-templated problem: ``prompt_ids`` as RLHFDataset renders it, ``answer_ids`` + eos."""
+
+    question: str
+    answer: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="outputs/tiny_model", help="model directory to write")
+    p.add_argument("--data-dir", default="outputs/data/arith", help="where train/test.parquet go")
+    p.add_argument("--seed", type=int, default=0, help="seeds the split, the init, SFT order and sampling")
+    p.add_argument("--train-size", type=int, default=2048, help="RL train prompts (repeats the pool)")
+    p.add_argument("--test-size", type=int, default=200, help="held-out prompts (validation)")
+    p.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--ffn-hidden-size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=300, help="most SFT steps (fewer when the target is hit)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.2,
+        help="stop SFT at the first probe whose greedy accuracy reaches this; >1 disables early stop",
+    )
+    p.add_argument("--eval-every", type=int, default=5, help="SFT steps between probe evaluations")
+    p.add_argument("--probe-size", type=int, default=200, help="non-test problems for the early-stop probe")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="n for the sampled accuracy (as GRPO)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="generation budget (match the RL config)")
+    # One thread: these matmuls are too small to gain from two, and on a shared 2-core box two
+    # threads spin-wait on each other (measured: 4-10x the CPU time and wall time of one).
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
+    return p.parse_args(argv)
+
+
+def args_hash(args: argparse.Namespace) -> str:
+    """Hash of everything that changes the outputs (all but --out and --force; threads change rounding)."""
+    keys = {k: v for k, v in sorted(vars(args).items()) if k not in ("out", "force")}
+    keys["recipe_version"] = RECIPE_VERSION
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------- data
+def write_rl_data(args: argparse.Namespace) -> list[str]:
+    """train/test.parquet through tools/data/arith.py, so the files are exactly what it writes."""
+    spec = importlib.util.spec_from_file_location("tools_data_arith", ARITH_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [
+        "--output-dir", str(args.data_dir), "--train-size", str(args.train_size),
+        "--test-size", str(args.test_size), "--seed", str(args.seed), "--max-operand", str(args.max_operand),
+    ]  # fmt: skip
+    # The tool reports on stdout; ours must carry only the JSON result.
+    with contextlib.redirect_stdout(sys.stderr):
+        return module.main(argv)
+
+
+def split_problems(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
+    """(sft_pool, probe, test): test is the parquet's test split; the three are disjoint."""
+    _, test = make_arith_split(args.train_size, args.test_size, args.seed, args.max_operand)
+    held_out = {row["question"] for row in test}
+    every = make_arith_rows((args.max_operand + 1) ** 2, args.seed + _SFT_SEED_OFFSET, args.max_operand)
+    outside = [row for row in every if row["question"] not in held_out]
+    if args.probe_size >= len(outside):
+        raise ValueError(
+            f"make_tiny_model: --probe-size {args.probe_size} leaves no pre-training problems out of "
+            f"{len(outside)} non-test ones; lower --probe-size or --test-size, or raise --max-operand."
+        )
+    # SFT never sees the probe, so early stopping judges generalization without touching test.
+    return outside[args.probe_size :], outside[: args.probe_size], test
+
+
+def encode(tokenizer, rows: list[dict]) -> list[Example]:
+    """Template each question exactly as RLHFDataset does (chat template, no extra specials)."""
+    out = []
+    for row in rows:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"]}], add_generation_prompt=True, tokenize=False
+        )
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        out.append(Example(row["question"], row["answer"], prompt, answer))
+    return out
+
+
+def collate_sft(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+answer; labels only on the answer and its eos (operands are random noise)."""
+    length = max(len(e.prompt_ids) + len(e.answer_ids) for e in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
+    labels = torch.full((len(examples), length), -100, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
+    for i, e in enumerate(examples):
+        ids = e.prompt_ids + e.answer_ids
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, len(e.prompt_ids) : len(ids)] = torch.tensor(e.answer_ids)
+        attention_mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# ---------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate(
+    model, tokenizer, examples: list[Example], *, n: int = 1, sample: bool = False,
+    seed: int = 0, max_new_tokens: int = 8,
+) -> dict[str, float]:  # fmt: skip
+    """Score ``n`` generations per prompt with the arith scorer, decoded as the RL side decodes.
+
+    Returns accuracy (mean reward), format_rate (responses that are an integer), pass_at_n
+    (prompts with a correct sample) and group_signal (prompts whose n samples disagree, i.e. a
+    nonzero GRPO advantage).
+    """
+    model.eval()
+    pad_id = tokenizer.pad_token_id
+    width = max(len(e.prompt_ids) for e in examples)
+    rows = [e for e in examples for _ in range(n)]
+    # Left padding puts every prompt's last token at the same column, as generate expects.
+    input_ids = torch.tensor([[pad_id] * (width - len(e.prompt_ids)) + e.prompt_ids for e in rows])  # (B, P)
+    attention_mask = (
+        torch.arange(width) >= torch.tensor([width - len(e.prompt_ids) for e in rows])[:, None]
+    ).long()
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **sampling,
+    )  # (B, P + new)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    scores = torch.tensor([compute_score(t, e.answer) for t, e in zip(texts, rows)]).view(len(examples), n)
+    integers = sum(t.strip().lstrip("-").isdigit() for t in texts)
+    model.train()
+    return {
+        "accuracy": scores.mean().item(),
+        "format_rate": integers / len(texts),
+        "pass_at_n": (scores.max(dim=1).values > 0).float().mean().item(),
+        "group_signal": (scores.max(dim=1).values != scores.min(dim=1).values).float().mean().item(),
+    }
+
+
+# ------------------------------------------------------------------------------------ training
+def pretrain(model, tokenizer, pool: list[Example], probe: list[Example], args) -> tuple[int, list]:
+    """SFT on shuffled passes over ``pool`` until ``--steps`` or the probe reaches the target.
+
+    Returns (steps taken, [(step, probe greedy accuracy, loss)...]).
+    """
+    rng = random.Random(args.seed + _SFT_SEED_OFFSET)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    # A fixed warmup (not a fraction of --steps) keeps the curve the same whatever --steps is.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / _WARMUP_STEPS))
+    order: list[Example] = []
+    curve = []
+    model.train()
+    for step in range(1, args.steps + 1):
+        if len(order) < args.batch_size:
+            order += rng.sample(pool, len(pool))
+        batch, order = order[: args.batch_size], order[args.batch_size :]
+        loss = model(**collate_sft(batch, tokenizer.pad_token_id)).loss  # mean over answer tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            acc = evaluate(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)["accuracy"]
+            curve.append((step, round(acc, 4), round(loss.item(), 4)))
+            if acc >= args.target_accuracy:
+                return step, curve
+    return args.steps, curve
+
+
+def build(args: argparse.Namespace, out_dir: Path) -> dict:
+    """Train the policy, save it to ``out_dir`` and return the result record."""
+    start = time.perf_counter()
+    model, tokenizer = build_tiny_hf_model(
+        arch="llama",
+        num_layers=args.num_layers,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,  # TP=2 gives each rank 2 query heads and 1 KV head
+        head_dim=64,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        seed=args.seed,
+    )
+    pool_rows, probe_rows, test_rows = split_problems(args)
+    pool, probe, test = (encode(tokenizer, r) for r in (pool_rows, probe_rows, test_rows))
+    steps, curve = pretrain(model, tokenizer, pool, probe, args)
+
+    greedy = evaluate(model, tokenizer, test, seed=args.seed, max_new_tokens=args.max_new_tokens)
+    sampled = evaluate(
+        model, tokenizer, test, n=args.samples_per_prompt, sample=True, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return {
+        "out": str(args.out),
+        "data_dir": str(args.data_dir),
+        "greedy_accuracy": round(greedy["accuracy"], 4),
+        "sampled_accuracy": round(sampled["accuracy"], 4),
+        "greedy_format_rate": round(greedy["format_rate"], 4),
+        "sampled_format_rate": round(sampled["format_rate"], 4),
+        "sampled_pass_at_n": round(sampled["pass_at_n"], 4),
+        "sampled_group_signal": round(sampled["group_signal"], 4),
+        "samples_per_prompt": args.samples_per_prompt,
+        "test_prompts": len(test),
+        "steps": steps,
+        "probe_curve": curve,
+        "params": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+# --------------------------------------------------------------------------------------- files
+def read_stamp(out: Path) -> dict | None:
+    path = out / STAMP_FILE
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Move ``tmp`` to ``out``; an old ``out`` is moved aside first, since rename won't overwrite a dir."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    # Progress bars would be the only other output; stdout carries one JSON object.
+    transformers.utils.logging.disable_progress_bar()
+    out, digest = Path(args.out), args_hash(args)
+
+    stamp = read_stamp(out)
+    if out.exists() and stamp is None and not args.force:
+        raise SystemExit(
+            f"make_tiny_model: {out} exists but has no {STAMP_FILE}, so this tool did not write it; "
+            "pass --force to replace it or choose another --out."
+        )
+    data_present = all((Path(args.data_dir) / f"{s}.parquet").is_file() for s in ("train", "test"))
+    if stamp is not None and stamp.get("args_hash") == digest and not args.force:
+        if not data_present:
+            write_rl_data(args)  # deterministic, so rewriting gives the files the stamp describes
+        print(json.dumps({**stamp["result"], "skipped": True}))
+        return 0
+
+    write_rl_data(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        result = build(args, tmp)
+        with open(tmp / STAMP_FILE, "w") as f:
+            json.dump({"args_hash": digest, "args": vars(args), "result": result}, f, indent=2)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({**result, "skipped": False}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
