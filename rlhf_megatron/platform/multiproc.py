@@ -40,6 +40,10 @@ def find_free_port() -> int:
 
 def _worker(fn, rank, world_size, port, args, env, init_pg, results):
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch was imported (unpickling fn) before the env took effect
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

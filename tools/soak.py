@@ -1,0 +1,115 @@
+"""Soak test: run the quickstart for many steps and check that memory and weight-sync time stay flat.
+
+Starts `python -m rlhf_megatron.train` (default: configs/quickstart_cpu.yaml), follows its
+metrics.jsonl, and after every step samples the resident memory of the driver and of every process
+under it (Ray's raylet and workers, where the Megatron models and vLLM live). After a warm-up it
+fits a line through RSS and through `timing_s/sync_weights` per step and prints one JSON object:
+
+    {"steps": ..., "rss_mb_per_step": ..., "worker_rss_mb": [first, last], "sync_s_per_step": ...,
+     "ok": true|false, ...}
+
+Exit status 1 when the RSS slope exceeds --max-rss-mb-per-step or the sync-time slope exceeds
+--max-sync-slope (seconds per step), 2 when the run itself fails.
+
+    .venv/bin/python tools/soak.py --steps 40 [--config ...] [-- extra overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree_rss_mb(pid: int) -> tuple[float, float]:
+    """(driver RSS, RSS of every descendant) in MiB."""
+    try:
+        proc = psutil.Process(pid)
+        driver = proc.memory_info().rss
+        children = 0
+        for child in proc.children(recursive=True):
+            try:
+                children += child.memory_info().rss
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        return 0.0, 0.0
+    return driver / 2**20, children / 2**20
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/quickstart_cpu.yaml")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the fits")
+    parser.add_argument("--max-rss-mb-per-step", type=float, default=5.0)
+    parser.add_argument("--max-sync-slope", type=float, default=0.01, help="seconds per step")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup + 2:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 3")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="soak_"))
+    cmd = [sys.executable, "-m", "rlhf_megatron.train", "--config", args.config,
+           f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={run_dir}",
+           "trainer.logger=['jsonl']", "trainer.test_freq=-1", "trainer.val_before_train=False",
+           "trainer.save_freq=-1", "trainer.resume_mode=disable", *args.overrides]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})  # fmt: skip
+    samples: dict[int, tuple[float, float, float]] = {}
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + args.timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        if not metrics.exists():
+            continue
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            step = record.get("step", 0)
+            if step and step not in samples:
+                driver, workers = _tree_rss_mb(proc.pid)
+                samples[step] = (driver, workers, float(record.get("timing_s/sync_weights", 0.0)))
+    if proc.poll() is None:
+        proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    if proc.wait() != 0 or len(samples) < args.steps:
+        print(json.dumps({"ok": False, "error": f"run failed (exit {proc.returncode}), {len(samples)} steps",
+                          "stderr_tail": stderr[-2000:]}))  # fmt: skip
+        return 2
+    steps = sorted(s for s in samples if s > args.warmup)
+    total = [samples[s][0] + samples[s][1] for s in steps]
+    sync = [samples[s][2] for s in steps]
+    rss_slope, sync_slope = _slope(steps, total), _slope(steps, sync)
+    ok = rss_slope <= args.max_rss_mb_per_step and sync_slope <= args.max_sync_slope
+    print(json.dumps({
+        "steps": args.steps, "warmup": args.warmup, "rss_mb_per_step": round(rss_slope, 3),
+        "total_rss_mb": [round(total[0], 1), round(total[-1], 1)],
+        "driver_rss_mb": [round(samples[steps[0]][0], 1), round(samples[steps[-1]][0], 1)],
+        "sync_s_per_step": round(sync_slope, 5), "sync_s": [round(sync[0], 4), round(sync[-1], 4)],
+        "bounds": {"rss_mb_per_step": args.max_rss_mb_per_step, "sync_s_per_step": args.max_sync_slope},
+        "ok": ok, "run_dir": str(run_dir),
+    }))  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
