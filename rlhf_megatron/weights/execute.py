@@ -11,7 +11,9 @@ is identical everywhere), which is what keeps the collectives matched:
 
 1. The owning pipeline stage reads its shard; ``gather`` transfers all-gather
    it inside that stage's TP group and reassemble it with the spec's layout
-   rules (``gather_tp_shards``); ``local`` transfers use the shard as is.
+   rules (``gather_tp_shards``; a row-split parameter needs no reassembly,
+   the gathered buffer is the full tensor); ``local`` transfers use the
+   shard as is.
 2. The stage's Megatron tensors for the bucket are packed into one flat
    buffer and broadcast over the pipeline group: one collective per (bucket,
    owning stage), and every stage's engine gets every layer.
@@ -30,7 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from rlhf_megatron.models.spec import gather_tp_shards, mcore_to_hf
+from rlhf_megatron.models.spec import gather_tp_shards, mcore_to_hf, tp_shard_slices
 from rlhf_megatron.weights.plan import (
     VLLM_VOCAB_PADDING,
     ParamTransfer,
@@ -121,6 +123,9 @@ class WeightSyncer:
                 t2 = time.perf_counter()
                 for t, src in zip(transfers, sources):
                     out.extend(self._convert(t, src, t.is_full))
+                # ``out`` keeps what is still needed (mostly views of these); holding the list
+                # across the ``yield`` would pin this bucket while the next one is gathered.
+                del sources, src
                 stats["gather_s"] += t1 - t0
                 stats["broadcast_s"] += t2 - t1
                 stats["convert_s"] += time.perf_counter() - t2
@@ -133,9 +138,12 @@ class WeightSyncer:
     def _source(self, t: ParamTransfer) -> torch.Tensor:
         """The owning stage's Megatron tensor for ``t``: gathered over TP, or its own shard."""
         shard = self._shard(t)
-        if t.mode == "gather":
-            return gather_tp_shards(t.name, self.transport.all_gather_tp(shard), self.plan.arch)
-        return shard
+        if t.mode != "gather":
+            return shard
+        stacked = self.transport.all_gather_tp(shard)  # (tp, *shard.shape)
+        if _is_dim0_concat(t.name, self.plan.arch, stacked.shape[0]):
+            return stacked.view(t.full_shape)  # already the full tensor: no reassembly copy
+        return gather_tp_shards(t.name, list(stacked.unbind(0)), self.plan.arch)
 
     def _broadcast(self, transfers, sources, stage: int) -> list[torch.Tensor]:
         """Ship one stage's Megatron tensors of a bucket to every pipeline stage in one collective."""
@@ -158,6 +166,16 @@ class WeightSyncer:
             out.append(flat[offset : offset + shape.numel()].view(shape))
             offset += shape.numel()
         return out
+
+
+def _is_dim0_concat(name: str, arch, tp_size: int) -> bool:
+    """Whether the full tensor is the TP shards concatenated along dim 0 in rank order.
+
+    True for QKV, the vocabulary and other row-split parameters; False for
+    ``linear_fc1`` (each shard is ``[gate_r; up_r]``) and column-split ones.
+    """
+    slices = tp_shard_slices(name, arch, 0, tp_size)
+    return len(slices) == 1 and slices[0].dim == 0
 
 
 def _vllm_slice(hf_name: str, full: torch.Tensor, arch, rank: int, tp: int) -> torch.Tensor:

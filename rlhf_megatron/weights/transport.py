@@ -17,9 +17,14 @@ from typing import Protocol
 
 import torch
 
+# torch 2.13 renames all_gather_into_tensor to all_gather_single (and warns on the old name).
+_all_gather_single = (
+    getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+)
+
 
 class Transport(Protocol):
-    def all_gather_tp(self, shard: torch.Tensor) -> list[torch.Tensor]: ...
+    def all_gather_tp(self, shard: torch.Tensor) -> torch.Tensor: ...
 
     def broadcast_pp(self, flat: torch.Tensor, src_stage: int) -> torch.Tensor: ...
 
@@ -34,15 +39,23 @@ class CollectiveTransport:
         self.pp_ranks = tuple(pp_ranks)
         self.bytes_moved = 0
 
-    def all_gather_tp(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Every TP rank's shard of one parameter, in TP-rank order."""
+    def all_gather_tp(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every TP rank's shard of one parameter, stacked in TP-rank order: ``(tp_size, *shard.shape)``.
+
+        Gathered into one buffer: the list form of ``all_gather`` gathers
+        into a flat buffer of its own and copies it out into the per-rank
+        tensors (NCCL's ``flatten_for_scatter_gather``; gloo stages through a
+        buffer of its own either way), and for a row-split parameter (QKV,
+        vocabulary) this buffer already is the full tensor, so the caller
+        skips the reassembly copy.
+        """
         if self.tp_size == 1:
-            return [shard]
+            return shard.unsqueeze(0)
         shard = shard.contiguous()
-        out = [torch.empty_like(shard) for _ in range(self.tp_size)]
-        torch.distributed.all_gather(out, shard, group=self.tp_group)
+        out = shard.new_empty((self.tp_size * shard.shape[0], *shard.shape[1:]))
+        _all_gather_single(out, shard, group=self.tp_group)
         self.bytes_moved += shard.numel() * shard.element_size() * (self.tp_size - 1)
-        return out
+        return out.view(self.tp_size, *shard.shape)
 
     def broadcast_pp(self, flat: torch.Tensor, src_stage: int) -> torch.Tensor:
         """Broadcast a flat buffer from pipeline stage ``src_stage`` to every stage (in place)."""

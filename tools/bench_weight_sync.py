@@ -1,0 +1,547 @@
+"""Benchmark one actor → vLLM weight sync on CPU: seconds by phase, peak extra memory, memcpy floor.
+
+Issue #7 (sync memory and speed). Builds a random Llama-style HF checkpoint
+(~500M parameters by default: hidden 1536, 18 layers, 12 query / 4 KV heads,
+FFN 3584, vocabulary 32000, untied head), then for every ``--tp`` runs that
+many gloo ranks, each holding a Megatron actor (TP = ``--tp``, PP = 1) and an
+in-process vLLM engine at the same TP (``external_launcher``), and measures
+one ``load_format=hf`` sync (after ``--warmup`` unmeasured ones):
+
+- ``plan_s``: ``build_sync_plan``; ``gather_s`` / ``broadcast_s`` /
+  ``convert_s``: ``WeightSyncer.stats``; ``generator_s``: all time spent
+  inside the syncer's generator (those phases plus Python overhead);
+  ``load_s``: the rest of ``update_weights``, i.e. vLLM's ``reload_weights``
+  (its loader, layer re-materialisation and CPU repacking); ``total_s``.
+- ``peak_extra_bytes``: resident memory above the pre-sync baseline,
+  sampled by a background thread every ``--sample-ms`` (``peak_after_tensor``
+  names the last tensor handed to vLLM when it peaked); next to it the
+  syncer's ``peak_bucket_bytes`` and the plan's largest tensor, and
+  ``retained_bytes``, what is still resident after the sync. glibc keeps
+  freed blocks (up to 32 MiB each) resident for reuse, so by default RSS
+  over-counts; ``--mmap-threshold-mb 1`` makes RSS follow the live tensors
+  (at some speed cost: every large allocation faults its pages in afresh).
+- ``floor_s``: one read plus one write of the model's bytes at the memcpy
+  bandwidth measured in the same processes just before the sync (all ranks
+  copying at once, so TP=2 shares the memory bus as the sync does);
+  ``total_over_floor`` is the target metric (≤ 2 at TP=1).
+  ``first_touch_gb_per_s`` is the speed of writing into freshly allocated
+  pages, which every step that allocates (vLLM re-materialising a layer, a
+  gather's output) pays instead of the memcpy bandwidth.
+
+Dtype: ``--dtype`` is the dtype of the HF checkpoint and of the Megatron
+actor, hence of the streamed tensors and of the floor's bytes. vLLM on CPU
+always runs float32 here (``VLLMEngine`` forces it), so ``bfloat16`` adds a
+cast inside vLLM's loader; float32 (the default) keeps every side the same.
+
+Per-rank numbers come back under ``ranks``; the summary takes the slowest
+rank's times and the largest rank's memory. Prints ONE JSON object.
+
+    .venv/bin/python tools/bench_weight_sync.py --tp 1 2
+    .venv/bin/python tools/bench_weight_sync.py --tp 1 --layers 4 --profile 25   # small + cProfile of rank 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+def write_random_checkpoint(
+    out_dir: str | Path,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    vocab: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    shard_bytes: int = 2**30,
+) -> Path:
+    """A random Llama checkpoint (safetensors shards of ≤ ``shard_bytes``) plus the tiny tokenizer.
+
+    Tensors are drawn one at a time and written shard by shard, so building a
+    2 GB model needs about one shard of memory, not a transformers model in
+    memory plus its state dict.
+    """
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
+    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.models.spec import expected_hf_shapes
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    if vocab < len(tokenizer):
+        raise ValueError(f"--vocab {vocab} is smaller than the tiny tokenizer's {len(tokenizer)} tokens")
+    config = transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, max_position_embeddings=256, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
+    )  # fmt: skip
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    torch_dtype = getattr(torch, dtype)
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    shapes = expected_hf_shapes(ModelArch.from_hf_config(config.to_dict()))
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = itemsize * numel(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = [
+        "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        for i in range(len(shards))
+    ]
+    gen = torch.Generator().manual_seed(seed)
+    for names, file in zip(shards, files):
+        tensors = {}
+        for name in names:
+            t = torch.empty(shapes[name], dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, 0.02, generator=gen)  # small init keeps the logits well-conditioned
+            tensors[name] = t.to(torch_dtype)
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(itemsize * numel(s) for s in shapes.values())},
+            "weight_map": {n: f for names, f in zip(shards, files) for n in names},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return out_dir
+
+
+def numel(shape: Iterable[int]) -> int:
+    """Elements in a tensor of ``shape``."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- measurement helpers (also used by tests/weights/test_sync_memory.py) ----------------------------
+
+
+def set_malloc_mmap_threshold(nbytes: int) -> None:
+    """Make glibc serve every allocation of ``nbytes`` or more with its own mmap, unmapped on free.
+
+    By default glibc raises its mmap threshold as large blocks are freed (up
+    to 32 MiB) and keeps freed heap memory resident for reuse, so RSS counts
+    tensors that are already dead and grows with fragmentation. A fixed
+    threshold turns that off (``mallopt(M_MMAP_THRESHOLD)``), and RSS then
+    follows the live tensors. Call it early in a fresh process.
+    """
+    import ctypes
+
+    m_mmap_threshold = -3
+    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, int(nbytes)):
+        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from /proc (cheap enough to poll every millisecond)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """Peak resident memory above the value at ``__enter__``, polled on a background thread.
+
+    The thread only reads /proc between sleeps; heavy torch ops release the
+    GIL, so it keeps sampling while the sync copies tensors.
+    """
+
+    def __init__(self, interval_s: float = 0.002, tag=None):
+        self.interval_s = interval_s
+        self.tag = tag
+        """Optional callable; its value at the peak sample is kept as ``peak_tag`` (where the peak was)."""
+        self.peak_tag = None
+        self.baseline = 0
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def peak_extra(self) -> int:
+        return self.peak - self.baseline
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            rss = rss_bytes()
+            if rss > self.peak:
+                self.peak = rss
+                self.peak_tag = self.tag() if self.tag else None
+            self.samples += 1
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        gc.collect()
+        self.baseline = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+class TimedIterator:
+    """Wraps a (name, tensor) iterator and adds up the seconds spent producing its items (``own_s``).
+
+    Whatever the consumer does between items is not counted, so
+    ``wall − own_s`` is the consumer's (vLLM's) share.
+    """
+
+    def __init__(self, items: Iterable):
+        self._it = iter(items)
+        self.own_s = 0.0
+        self.count = 0
+        self.last_name: str | None = None
+        """Name of the last (name, tensor) pair handed out; only the name, so no tensor is kept alive."""
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            item = next(self._it)
+        finally:
+            self.own_s += time.perf_counter() - t0
+        self.count += 1
+        self.last_name = item[0]
+        return item
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, barrier=None) -> float:
+    """Best memcpy bandwidth of ``dst.copy_(src)`` in bytes/s, counting the read and the write.
+
+    Both buffers are touched first so page faults are not timed. ``barrier``
+    (called before every repeat) lines the ranks up so they copy at once.
+    """
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def first_touch_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, barrier=None) -> float:
+    """Bytes/s written into freshly allocated memory (page faults included), best of ``repeats``.
+
+    What any step pays that writes into new pages (vLLM re-materialising a
+    layer, a gather's output): buffers this large are mmap'ed and returned to
+    the OS on free, so every repeat faults its pages in again.
+    """
+    import torch
+
+    best = float("inf")
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        buf = torch.empty(nbytes // 4, dtype=torch.float32)
+        buf.fill_(1.0)
+        best = min(best, time.perf_counter() - t0)
+        del buf
+    return nbytes / best
+
+
+def _retained(baseline: int) -> int:
+    """Resident memory still above ``baseline`` once the sync's garbage is collected."""
+    gc.collect()
+    return rss_bytes() - baseline
+
+
+def measure_sync(engine, syncer, sample_s: float = 0.002, profile: int = 0) -> dict:
+    """One ``engine.update_weights(syncer.iter_weights())``: seconds by phase and peak extra RSS."""
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    stream = TimedIterator(syncer.iter_weights())
+    with RssSampler(sample_s, tag=lambda: stream.last_name) as rss:
+        t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        engine.update_weights(stream)
+        if profiler:
+            profiler.disable()
+        total = time.perf_counter() - t0
+    out = {
+        "total_s": total,
+        "generator_s": stream.own_s,
+        "load_s": total - stream.own_s,
+        **{k: syncer.stats[k] for k in ("gather_s", "broadcast_s", "convert_s")},
+        "tensors": stream.count,
+        "rss_baseline_bytes": rss.baseline,
+        "peak_extra_bytes": rss.peak_extra,
+        "peak_after_tensor": rss.peak_tag,
+        "retained_bytes": _retained(rss.baseline),
+        "rss_samples": rss.samples,
+        "peak_bucket_bytes": int(syncer.stats["peak_bucket_bytes"]),
+    }
+    if profiler:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+        out["profile"] = text.getvalue()
+    return out
+
+
+# -- one rank ----------------------------------------------------------------------------------------
+
+
+def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int = 64):
+    """This rank's Megatron actor (TP = world size, PP = 1) loaded from ``hf_dir``, and a vLLM engine at TP ``tp``."""
+    import torch
+
+    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.platform import ParallelGroups, init_model_parallel
+    from rlhf_megatron.rollout.vllm_engine import VLLMEngine
+
+    info = init_model_parallel(tp, 1, seed=0)
+    arch = ModelArch.from_hf_dir(hf_dir)
+    chunks = build_gpt_model(
+        arch, ParallelConfig(tp, 1), params_dtype=getattr(torch, dtype), init_weights=False
+    )
+    load_hf_weights(chunks, hf_dir, arch)
+    engine = VLLMEngine(
+        hf_dir, {"dtype": dtype, "max_num_seqs": 1}, max_model_len=max_model_len, tensor_parallel_size=tp
+    )
+    return arch, chunks, info, ParallelGroups.current(), engine
+
+
+def make_syncer(arch, chunks, info, groups, rollout_tp: int, bucket_bytes: int):
+    """The hf-format syncer for this rank, and the seconds ``build_sync_plan`` took."""
+    from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
+
+    dtype_bytes = next(chunks[0].parameters()).element_size()
+    t0 = time.perf_counter()
+    plan = build_sync_plan(
+        arch,
+        TrainLayout(info.tp_size, info.pp_size, info.vpp_size),
+        rollout_tp,
+        "hf",
+        bucket_bytes,
+        dtype_bytes,
+    )
+    plan_s = time.perf_counter() - t0
+    transport = CollectiveTransport(groups.tp_group, info.tp_size, groups.pp_group, groups.pp_ranks)
+    syncer = WeightSyncer(
+        plan, chunks, info.tp_rank, info.pp_rank, transport, rollout_rank=info.rank % rollout_tp
+    )
+    return syncer, plan_s
+
+
+def bench_rank(
+    rank, world_size, hf_dir, dtype, bucket_bytes, warmup, sample_s, profile, threads, mmap_threshold
+) -> dict:
+    """Per-rank body (``run_on_ranks``): build, warm up, measure the bandwidth, measure one sync."""
+    import torch
+
+    if mmap_threshold:
+        set_malloc_mmap_threshold(mmap_threshold)
+
+    # vLLM logs to stdout; keep the parent's stdout for the one JSON object.
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    # torch is imported before run_on_ranks applies OMP_NUM_THREADS, and vLLM's CPU worker
+    # disables set_num_threads once it is up: set the thread count here, first.
+    torch.set_num_threads(threads)
+    arch, chunks, info, groups, engine = build_actor_and_engine(hf_dir, world_size, dtype)
+    try:
+        syncer, plan_s = make_syncer(arch, chunks, info, groups, world_size, bucket_bytes)
+        warm_s = []
+        for _ in range(warmup):
+            t0 = time.perf_counter()
+            engine.update_weights(syncer.iter_weights())
+            warm_s.append(time.perf_counter() - t0)
+        barrier = torch.distributed.barrier if world_size > 1 else None
+        bandwidth = copy_bandwidth(barrier=barrier)
+        first_touch = first_touch_bandwidth(barrier=barrier)
+        gc.collect()
+        if barrier:
+            barrier()  # start the measured sync together: the gathers would make the first rank wait anyway
+        sync = measure_sync(engine, syncer, sample_s, profile if rank == 0 else 0)
+        plan = syncer.plan
+        largest = max(t.nbytes(syncer.dtype.itemsize) for t in plan.transfers)
+        return {
+            "rank": rank,
+            "plan_s": plan_s,
+            "warmup_total_s": warm_s,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "first_touch_bytes_per_s": first_touch,
+            "torch_threads": torch.get_num_threads(),
+            "vllm_dtype": str(engine.llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "buckets": len(plan.buckets),
+            "largest_tensor_bytes": largest,
+            **sync,
+        }
+    finally:
+        engine.shutdown()
+
+
+# -- the driver --------------------------------------------------------------------------------------
+
+
+def run_tp(tp: int, hf_dir: str, args, model_bytes: int) -> dict:
+    from rlhf_megatron.platform.multiproc import run_on_ranks
+
+    # Two cores: one process gets both, two processes get one each.
+    threads = max(1, (os.cpu_count() or 1) // tp)
+    env = {**ENV, "OMP_NUM_THREADS": str(threads)}
+    ranks = run_on_ranks(
+        bench_rank, tp, hf_dir, args.dtype, args.bucket_mb * 2**20, args.warmup, args.sample_ms / 1000,
+        args.profile, threads, int(args.mmap_threshold_mb * 2**20), env=env, timeout_s=args.timeout_s,
+    )  # fmt: skip
+    profile = ranks[0].pop("profile", None)
+    if profile:
+        print(f"--- cProfile, TP={tp}, rank 0, measured sync ---\n{profile}", file=sys.stderr)
+    slowest = max(ranks, key=lambda r: r["total_s"])
+    # All ranks copy at once, so the machine's bandwidth is their sum.
+    bandwidth = sum(r["copy_bandwidth_bytes_per_s"] for r in ranks)
+    floor_s = 2 * model_bytes / bandwidth
+    keys = ("plan_s", "gather_s", "broadcast_s", "convert_s", "generator_s", "load_s", "total_s")
+    return {
+        "tp": tp,
+        "seconds": {k: round(slowest[k], 4) for k in keys},
+        "floor_s": round(floor_s, 4),
+        "total_over_floor": round(slowest["total_s"] / floor_s, 2),
+        "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+        "first_touch_gb_per_s": round(sum(r["first_touch_bytes_per_s"] for r in ranks) / 1e9, 2),
+        "peak_extra_bytes": max(r["peak_extra_bytes"] for r in ranks),
+        "peak_bucket_bytes": max(r["peak_bucket_bytes"] for r in ranks),
+        "largest_tensor_bytes": slowest["largest_tensor_bytes"],
+        "buckets": slowest["buckets"],
+        "warmup_total_s": [round(s, 3) for s in slowest["warmup_total_s"]],
+        "torch_threads_per_rank": slowest["torch_threads"],
+        "vllm_dtype": slowest["vllm_dtype"],
+        "ranks": ranks,
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--tp", type=int, nargs="+", default=[1, 2], help="TP sizes to run (training TP = rollout TP)"
+    )
+    p.add_argument("--layers", type=int, default=18)
+    p.add_argument("--hidden", type=int, default=1536)
+    p.add_argument("--heads", type=int, default=12, help="query heads (head_dim = hidden / heads)")
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=3584)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="checkpoint and actor dtype")
+    p.add_argument("--bucket-mb", type=int, default=512, help="update_weights_bucket_megabytes")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured syncs before the measured one")
+    p.add_argument("--sample-ms", type=float, default=2.0, help="RSS polling interval")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile rank 0's measured sync; print the top N functions by own time to stderr",
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="reuse (or create and keep) the checkpoint here; default: a temporary directory",
+    )
+    p.add_argument(
+        "--mmap-threshold-mb",
+        type=float,
+        default=0,
+        help="fixed glibc mmap threshold in the ranks (e.g. 1) so RSS follows live tensors; "
+        "0 keeps glibc's default, which retains freed memory (faster, but RSS over-counts)",
+    )
+    p.add_argument("--timeout-s", type=float, default=600)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    tmp = None
+    if args.model_dir is None:
+        tmp = tempfile.mkdtemp(prefix="bench_weight_sync_")
+        model_dir = Path(tmp)
+    else:
+        model_dir = Path(args.model_dir)
+    try:
+        t0 = time.perf_counter()
+        if not (model_dir / "config.json").exists():
+            write_random_checkpoint(
+                model_dir, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                ffn=args.ffn, vocab=args.vocab, dtype=args.dtype,
+            )  # fmt: skip
+        build_s = time.perf_counter() - t0
+        from rlhf_megatron.models.arch import ModelArch
+        from rlhf_megatron.models.spec import expected_hf_shapes
+
+        arch = ModelArch.from_hf_dir(model_dir)
+        params = sum(numel(s) for s in expected_hf_shapes(arch).values())
+        itemsize = 4 if args.dtype == "float32" else 2
+        result = {
+            "model": {
+                "params": params, "bytes": params * itemsize, "dtype": args.dtype, "layers": arch.num_layers,
+                "hidden": arch.hidden_size, "heads": arch.num_attention_heads, "kv_heads": arch.num_kv_heads,
+                "ffn": arch.ffn_hidden_size, "vocab": arch.vocab_size, "build_s": round(build_s, 2),
+            },
+            "load_format": "hf",
+            "bucket_bytes": args.bucket_mb * 2**20,
+            "malloc": f"mmap_threshold={args.mmap_threshold_mb}MiB" if args.mmap_threshold_mb else "glibc default",
+            "cpus": os.cpu_count(),
+            "runs": [run_tp(tp, str(model_dir), args, params * itemsize) for tp in args.tp],
+        }  # fmt: skip
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
