@@ -27,14 +27,10 @@ from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.rollout import SamplingConfig, build_rollout_engine
 from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
 from rlhf_megatron.workers.faults import fault_requested, kill_self_if_requested
-from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
 UPDATE_KEYS = ("responses", "response_mask", "old_log_probs", "advantages")
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else 0.0
 
 
 class ActorRolloutRefWorker(MegatronRoleWorker):
@@ -233,41 +229,10 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         actor = self.cfg.actor_rollout_ref.actor
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
-        n = int(self.cfg.actor_rollout_ref.rollout.n)
-        mini_rows = int(actor.ppo_mini_batch_size) * n // self.parallel.dp_size
-        if mini_rows < 1 or len(batch) % mini_rows:
-            raise ValueError(
-                f"[actor] rank {self.rank}: {len(batch)} rows per DP rank do not split into mini-batches of "
-                f"{mini_rows} (ppo_mini_batch_size x rollout.n / DP = {actor.ppo_mini_batch_size} x {n} / "
-                f"{self.parallel.dp_size})"
-            )
-        loss_fn = self._policy_loss_fn()
-        records: dict[str, list[float]] = {}
-        nan_skipped = 0  # optimizer steps dropped under trainer.nan_policy=skip
-        generator = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 1000003 + step)
-        for _ in range(int(actor.ppo_epochs)):
-            order = (
-                torch.randperm(len(batch), generator=generator) if actor.shuffle else torch.arange(len(batch))
-            )
-            for start_row in range(0, len(batch), mini_rows):
-                mini = batch[order[start_row : start_row + mini_rows]]
-                micros = split_micro_batches(
-                    mini, keys, actor.ppo_micro_batch_size_per_gpu,
-                    int(actor.ppo_max_token_len_per_gpu) if actor.use_dynamic_bsz else None,
-                )  # fmt: skip
-                result = self.actor.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
-                                               f"[actor] rank {self.rank} step {step}")  # fmt: skip
-                for m in result["metrics"]:
-                    for k, v in m.items():
-                        records.setdefault(k, []).append(v)
-                records.setdefault("actor/grad_norm", []).append(result["grad_norm"])
-                records.setdefault("actor/update_ok", []).append(float(result["update_ok"]))
-                nan_skipped += int(result["nan_skipped"])
+        seed = int(self.cfg.trainer.seed) * 1000003 + step
+        metrics = self.train_ppo_epochs(self.actor, batch, keys, self._policy_loss_fn(), actor, step, seed)
         self.weights_stale = True
         self.update_count += 1
-        metrics = {k: _mean(v) for k, v in records.items()}
-        metrics["actor/lr"] = self.actor.lr
-        metrics["actor/nan_skipped"] = float(nan_skipped)
         metrics["timing_s/update_actor"] = time.perf_counter() - start
         return metrics
 

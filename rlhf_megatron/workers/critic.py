@@ -24,7 +24,7 @@ import torch
 
 from rlhf_megatron.algorithms import compute_value_loss
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
 
@@ -70,13 +70,6 @@ class CriticWorker(MegatronRoleWorker):
     def update_critic(self, batch: Batch, step: int = 0) -> dict[str, float]:
         critic = self.cfg.critic
         start = time.perf_counter()
-        n = int(self.cfg.actor_rollout_ref.rollout.n)
-        mini_rows = int(critic.ppo_mini_batch_size) * n // self.parallel.dp_size
-        if mini_rows < 1 or len(batch) % mini_rows:
-            raise ValueError(
-                f"[critic] rank {self.rank}: {len(batch)} rows per DP rank do not split into mini-batches of "
-                f"{mini_rows} (critic.ppo_mini_batch_size x rollout.n / DP)"
-            )
         mode, clip = str(critic.loss_agg_mode), float(critic.cliprange_value)
 
         def loss_fn(values, micro):
@@ -90,30 +83,8 @@ class CriticWorker(MegatronRoleWorker):
             return vf_loss * micro["_weight"], metrics
 
         keys = (*MODEL_KEYS, "responses", "response_mask", "values", "returns")
-        records: dict[str, list[float]] = {}
-        nan_skipped = 0  # optimizer steps dropped under trainer.nan_policy=skip
-        generator = torch.Generator().manual_seed(int(self.cfg.trainer.seed) * 1000033 + step)
-        for _ in range(int(critic.ppo_epochs)):
-            order = (
-                torch.randperm(len(batch), generator=generator)
-                if critic.shuffle
-                else torch.arange(len(batch))
-            )
-            for s in range(0, len(batch), mini_rows):
-                micros = split_micro_batches(
-                    batch[order[s : s + mini_rows]], keys, critic.ppo_micro_batch_size_per_gpu,
-                    int(critic.ppo_max_token_len_per_gpu) if critic.use_dynamic_bsz else None,
-                )  # fmt: skip
-                result = self.critic.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
-                                                f"[critic] rank {self.rank} step {step}")  # fmt: skip
-                nan_skipped += int(result["nan_skipped"])
-                for m in result["metrics"]:
-                    for k, v in m.items():
-                        records.setdefault(k, []).append(v)
-                records.setdefault("critic/grad_norm", []).append(result["grad_norm"])
-        metrics = {k: sum(v) / len(v) for k, v in records.items()}
-        metrics["critic/lr"] = self.critic.lr
-        metrics["critic/nan_skipped"] = float(nan_skipped)
+        seed = int(self.cfg.trainer.seed) * 1000033 + step
+        metrics = self.train_ppo_epochs(self.critic, batch, keys, loss_fn, critic, step, seed)
         metrics["timing_s/update_critic"] = time.perf_counter() - start
         return metrics
 

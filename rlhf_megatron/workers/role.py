@@ -120,6 +120,59 @@ class MegatronRoleWorker(Worker):
         order = torch.argsort(rows)
         return {k: torch.cat([c[k] for c in collected])[order] for k in collected[0] if k != "_rows"}
 
+    # ------------------------------------------------------------------ PPO updates
+    def train_ppo_epochs(
+        self,
+        engine: MegatronEngine,
+        batch: Batch,
+        keys: tuple[str, ...],
+        loss_fn,
+        role_cfg,
+        step: int,
+        seed: int,
+    ) -> dict[str, float]:
+        """``ppo_epochs`` × mini-batches × micro-batches of ``loss_fn`` on this DP rank's ``batch``.
+
+        ``role_cfg`` is the role's section (``actor_rollout_ref.actor`` or ``critic``) with verl's
+        ``ppo_mini_batch_size`` (prompts, summed over DP ranks), ``ppo_epochs``, ``shuffle``,
+        ``ppo_micro_batch_size_per_gpu`` and the dynamic-batch keys. Returns the mean of every
+        metric over optimizer steps, plus ``<role>/grad_norm``, ``<role>/update_ok``, ``<role>/lr`` and
+        ``<role>/nan_skipped`` (steps dropped under ``trainer.nan_policy=skip``).
+        """
+        n = int(self.cfg.actor_rollout_ref.rollout.n)
+        mini_rows = int(role_cfg.ppo_mini_batch_size) * n // self.parallel.dp_size
+        if mini_rows < 1 or len(batch) % mini_rows:
+            raise ValueError(
+                f"[{self.role}] rank {self.rank}: {len(batch)} rows per DP rank do not split into mini-batches "
+                f"of {mini_rows} (ppo_mini_batch_size x rollout.n / DP = {role_cfg.ppo_mini_batch_size} x {n} / "
+                f"{self.parallel.dp_size})"
+            )
+        max_tokens = int(role_cfg.ppo_max_token_len_per_gpu) if role_cfg.use_dynamic_bsz else None
+        records: dict[str, list[float]] = {}
+        nan_skipped = 0
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(int(role_cfg.ppo_epochs)):
+            order = (
+                torch.randperm(len(batch), generator=generator)
+                if role_cfg.shuffle
+                else torch.arange(len(batch))
+            )
+            for start in range(0, len(batch), mini_rows):
+                micros = split_micro_batches(batch[order[start : start + mini_rows]], keys,
+                                             role_cfg.ppo_micro_batch_size_per_gpu, max_tokens)  # fmt: skip
+                result = engine.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
+                                           f"[{self.role}] rank {self.rank} step {step}")  # fmt: skip
+                for m in result["metrics"]:
+                    for k, v in m.items():
+                        records.setdefault(k, []).append(v)
+                records.setdefault(f"{self.role}/grad_norm", []).append(result["grad_norm"])
+                records.setdefault(f"{self.role}/update_ok", []).append(float(result["update_ok"]))
+                nan_skipped += int(result["nan_skipped"])
+        metrics = {k: sum(v) / len(v) for k, v in records.items()}
+        metrics[f"{self.role}/lr"] = engine.lr
+        metrics[f"{self.role}/nan_skipped"] = float(nan_skipped)
+        return metrics
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Collective: every engine's model (dist-checkpoint), plus this rank's optimizer/RNG state."""
