@@ -126,7 +126,8 @@ class RewardModelWorker(MegatronRoleWorker):
             else:
                 messages = [{"role": "user", "content": prompt}]
             chat = [*messages, {"role": "assistant", "content": response}]
-            rows.append(tok_rm.apply_chat_template(chat, tokenize=True, add_generation_prompt=False))
+            text = tok_rm.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+            rows.append(tok_rm(text, add_special_tokens=False).input_ids)
         max_len = int(self.cfg.reward_model.max_length or max(len(r) for r in rows))
         ids = torch.full((len(rows), max_len), int(tok_rm.pad_token_id or 0), dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -115,17 +115,18 @@ def test_model_preset_architecture_is_the_published_one(preset):
 def test_quickstart_cpu_matches_the_spec():
     cfg = load_config("quickstart_cpu", [])
     arch = cfg.model_arch
+    # tools/make_tiny_model.py's policy: 2 layers, hidden 256, 4 query heads of 64, 2 KV heads
     assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads) == (
-        4,
+        2,
         256,
         4,
         2,
     )
     assert arch.head_dim == 64 and arch.vocab_size < 1000
-    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 8
     assert (cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == ("cpu", 2, 1)
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
-    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (32, 16)
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (16, 8)
     assert cfg.actor_rollout_ref.model.path == "outputs/tiny_model"
     assert cfg.data.train_files == "outputs/data/arith/train.parquet"
     assert cfg.data.val_files == "outputs/data/arith/test.parquet"
@@ -141,7 +142,7 @@ def test_quickstart_cpu_ppo_layers_on_the_grpo_one():
     cfg = load_config("quickstart_cpu_ppo", [])
     assert cfg.algorithm.adv_estimator == "gae"
     assert cfg.critic.ppo_micro_batch_size_per_gpu == 4
-    assert cfg.model_arch.num_layers == 4  # inherited
+    assert cfg.model_arch.num_layers == 2  # inherited
 
 
 def test_examples_layer_on_model_presets():

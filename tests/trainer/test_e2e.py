@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import run_train, train_overrides
+from trainer_helpers import run_train, train_overrides
 
 pytestmark = pytest.mark.slow
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_train
+from trainer_helpers import ROOT, run_train
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,39 @@
+"""split_micro_batches: by count, and by token budget (use_dynamic_bsz), keeping every row once."""
+
+import pytest
+import torch
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.workers.megatron_engine import split_micro_batches
+
+
+def _batch(lengths, width=16):
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, width - n :] = 1
+    ids = torch.arange(len(lengths))[:, None].expand(-1, width).clone()
+    return Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(-1)})
+
+
+def test_by_count_keeps_order_and_weights_sum_to_the_micro_batch_count():
+    micros = split_micro_batches(_batch([3] * 10), ("input_ids",), micro_batch_size=4)
+    assert [m["_rows"].tolist() for m in micros] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # megatron divides each micro-batch loss by their count; the weights make it a per-row mean
+    assert [float(m["_weight"]) for m in micros] == pytest.approx([4 * 3 / 10, 4 * 3 / 10, 2 * 3 / 10])
+
+
+def test_by_token_budget_respects_the_budget_and_covers_every_row():
+    lengths = [16, 2, 9, 7, 3, 12, 5, 1, 8]
+    micros = split_micro_batches(_batch(lengths), ("input_ids", "attention_mask"), max_tokens=20)
+    rows = sorted(r for m in micros for r in m["_rows"].tolist())
+    assert rows == list(range(len(lengths)))
+    for m in micros:
+        assert int(m["attention_mask"].sum()) <= 20
+        assert m["_rows"].tolist() == sorted(m["_rows"].tolist()), "row order kept inside a micro-batch"
+        assert torch.equal(m["input_ids"][:, 0], m["_rows"])
+    assert len(micros) == 4  # 63 tokens need at least ceil(63 / 20) = 4 micro-batches
+
+
+def test_a_sequence_longer_than_the_budget_is_refused():
+    with pytest.raises(ValueError, match="a sequence of 16 tokens exceeds the token budget 10"):
+        split_micro_batches(_batch([16, 2]), ("input_ids",), max_tokens=10)
