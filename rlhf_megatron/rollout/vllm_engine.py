@@ -216,10 +216,6 @@ class VLLMEngine:
             )
         self.llm.reset_prefix_cache()
 
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """vLLM's current parameters on this rank (copies). For tests and debugging."""
-        return self.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
-
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Release weights and KV cache between rollouts (GPU); a no-op on CPU."""

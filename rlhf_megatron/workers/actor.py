@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 
@@ -240,6 +239,3 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         if hasattr(self, "engine") and hasattr(self.engine, "shutdown"):
             self.engine.shutdown()
         super().shutdown()
-
-    def debug_state(self) -> dict[str, Any]:
-        return {"weights_stale": self.weights_stale, "update_count": self.update_count}
