@@ -162,7 +162,9 @@ class CheckpointManager:
         try:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read {manifest_path}: {e}; the checkpoint cannot be verified") from e
+            raise CheckpointError(
+                f"cannot read {manifest_path}: {e}; the checkpoint cannot be verified"
+            ) from e
         hint = "restore the file, or resume from another global_step_* (trainer.resume_from_path)"
         for rel, entry in sorted(manifest.items()):
             file = path / rel

@@ -174,9 +174,12 @@ def test_nan_loss_is_skipped_and_counted_with_nan_policy_skip(tiny_run_inputs, t
     assert second["actor/nan_skipped"] == 0 and second["actor/update_ok"] == 1
 
 
-
-PPO = {"trainer.total_training_steps": 2, "actor_rollout_ref.rollout.n": 1, "trainer.save_freq": 1,
-       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4}
+PPO = {
+    "trainer.total_training_steps": 2,
+    "actor_rollout_ref.rollout.n": 1,
+    "trainer.save_freq": 1,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+}
 
 
 def test_critic_nan_loss_stops_the_run_before_any_update_or_checkpoint(tiny_run_inputs, tmp_path):
@@ -201,6 +204,7 @@ def test_critic_nan_loss_is_skipped_and_counted_and_the_critic_stays_finite(tiny
     # The skipped step left the weights unpoisoned: step 2's values and value loss are finite.
     assert math.isfinite(second["critic/vf_loss"]) and math.isfinite(second["critic/values/mean"])
     CheckpointManager.verify(CheckpointManager(run).latest(), "sha256")
+
 
 REWARD_FNS = """
 import math, os, time
