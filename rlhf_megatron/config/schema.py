@@ -214,7 +214,8 @@ class TrainerConfig:
     """Passes over the training set."""
 
     total_training_steps: int | None = None
-    """Stop after this many steps; null derives it from epochs and dataset size."""
+    """Stop after this many steps; null derives it from epochs and dataset size. When set it
+    wins over ``total_epochs``: the data is passed over as many times as the steps need."""
 
     project_name: str = "verl_examples"
     """Project name for loggers."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,7 @@ class PPOTrainer:
             self.history.append({"step": self.global_step, **val})
             if trainer.val_only:
                 return self.history
-        batches = iter(self.train_loader)
+        batches = self._batches()
         while self.global_step < self.total_steps:
             batch = next(batches)
             self.global_step += 1
@@ -85,6 +86,16 @@ class PPOTrainer:
             self.history.append({"step": self.global_step, **metrics})
             self._fault_injection_hook()
         return self.history
+
+    def _batches(self) -> Iterator[Batch]:
+        """Training batches, epoch after epoch: ``trainer.total_training_steps`` may ask for more
+        steps than ``total_epochs`` passes hold, and is honoured (the loader's epoch counter and
+        seeded order carry on, so a resumed run still sees the same batches)."""
+        if len(self.train_loader) == 0:
+            raise ValueError("the training loader yields no batch: data.train_files has fewer rows than "
+                             "data.train_batch_size")  # fmt: skip
+        while True:
+            yield from self.train_loader
 
     def train_step(self, batch: Batch, step: int) -> dict[str, Any]:
         cfg, algo = self.cfg, self.cfg.algorithm

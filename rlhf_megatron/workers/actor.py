@@ -25,7 +25,7 @@ from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.rollout import SamplingConfig, build_rollout_engine
 from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
-from rlhf_megatron.workers.faults import fault_requested, kill_self_if_requested
+from rlhf_megatron.workers.faults import fault_amount, fault_requested, kill_self_if_requested
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
@@ -108,6 +108,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         """Stream the actor's current weights into the rollout engine (collective over the actor)."""
         kill_self_if_requested("sync", self.update_count, self.rank)  # test hook (RLHF_FAULT)
         start = time.perf_counter()
+        if drift_ms := fault_amount("sync_drift"):  # test hook (RLHF_FAULT)
+            time.sleep(drift_ms * self.update_count / 1000)
         self.engine.wake_up()
         self.engine.update_weights(self.syncer.iter_weights())
         self.weights_stale = False
@@ -226,6 +228,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         kill_self_if_requested("update", self.update_count + 1, self.rank)  # test hook (RLHF_FAULT)
         if fault_requested("nan", self.update_count + 1, self.rank):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
+        if leak_mib := fault_amount("leak"):  # test hook (RLHF_FAULT); bytes written, so resident
+            self._leaked = [*getattr(self, "_leaked", []), b"\x01" * (leak_mib << 20)]
         actor = self.cfg.actor_rollout_ref.actor
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
         seed = int(self.cfg.trainer.seed) * 1000003 + step

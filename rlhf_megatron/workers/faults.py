@@ -13,6 +13,13 @@ unaffected. Phases, and where they act:
 - ``save``: the driver SIGKILLs itself mid-checkpoint: after the workers wrote their files
   into the temporary directory, before the trainer commits it.
 
+Two entries take an amount instead of a step, and act at every step (``tools/soak.py``'s
+tests use them to show that its checks catch a real leak and a real slowdown):
+
+- ``leak:<MiB>``: every actor worker keeps another ``MiB`` of memory per ``update_actor``.
+- ``sync_drift:<ms>``: every actor worker's ``sync_weights`` sleeps ``ms`` times the number of
+  updates so far (a weight sync that gets slower every step).
+
 The reliability tests (``tests/reliability``) drive these; nothing reads the variable otherwise.
 """
 
@@ -33,6 +40,15 @@ def fault_requested(phase: str, step: int, rank: int | None = None) -> bool:
         if len(parts) < 3 or rank is None or int(parts[2]) == rank:
             return True
     return False
+
+
+def fault_amount(phase: str) -> int:
+    """The amount of the ``<phase>:<amount>`` entry of ``RLHF_FAULT`` (0 without one)."""
+    for entry in filter(None, os.environ.get(ENV, "").split(",")):
+        parts = entry.strip().split(":")
+        if parts[0] == phase:
+            return int(parts[1])
+    return 0
 
 
 def kill_self_if_requested(phase: str, step: int, rank: int | None = None) -> None:

@@ -13,3 +13,4 @@ _spec.loader.exec_module(_trainer)
 tiny_run_inputs = _trainer.tiny_run_inputs  # session fixture: tiny Llama + arith parquet
 run_train = _trainer.run_train
 train_overrides = _trainer.train_overrides
+ROOT = _trainer.ROOT
