@@ -53,6 +53,8 @@ def _patch_vllm_cpu_shm_names() -> None:
     was killed (its segments left behind) or a second job on the same host
     fails with "create shm in SHMManager failed. errno: 17". Prefixing the
     names with this group's rendezvous address and port keeps them apart.
+    (``_unlink_vllm_shm_segments`` removes the names once mapped, so only a
+    worker killed during engine start-up can still leave one behind.)
     """
     try:
         from vllm.distributed.device_communicators import cpu_communicator
@@ -71,6 +73,51 @@ def _patch_vllm_cpu_shm_names() -> None:
 
     shm.make_group_name = staticmethod(make_group_name)
     shm._rlhf_patched = True
+
+
+def _unlink_vllm_shm_segments() -> list[str]:
+    """Remove this process's vLLM /dev/shm segments from the namespace once every peer maps them.
+
+    vLLM's TP groups talk through POSIX shared memory: the broadcast ring buffer of each group
+    (``psm_*``, 24 MiB, made by the group's first rank) and, on CPU, the all-reduce segments
+    (``<group>-cpushm_<rank>``, 4 MiB per rank). They are unlinked only by destructors, which
+    never run when Ray kills a worker, so every run left 8 MiB behind and every killed run
+    another 24 MiB, until /dev/shm filled. Once all ranks have mapped them (the world barrier;
+    vLLM's own init already waits for that), the names can go: the mappings stay valid, and
+    the memory is freed when the last process using it exits, however it exits.
+    Returns the names removed.
+    """
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return []
+    world = parallel_state.get_world_group()
+    if world.world_size > 1:
+        torch.distributed.barrier(group=world.cpu_group)
+    removed: list[str] = []
+    seen: set[int] = set()
+    for ref in list(parallel_state._groups.values()):
+        group = ref()
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        ring = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
+        if ring is not None and getattr(ring, "is_creator", False):
+            name = ring.shared_memory.name
+            ring.shared_memory.unlink()  # also unregisters it from Python's resource tracker
+            ring.is_creator = False  # its destructor must not unlink the name a second time
+            removed.append(name)
+        communicator = getattr(group, "device_communicator", None)
+        cpu_shm = getattr(communicator, "dist_module", None)
+        group_name = getattr(cpu_shm, "group_name", None)
+        if group_name:  # vLLM-CPU's shm all-reduce: one segment per rank, named <group>_<rank>
+            name = f"{group_name}_{communicator.rank}"
+            try:
+                os.unlink(f"/dev/shm/{name}")
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, dtype_bytes: int) -> int:
@@ -158,6 +205,7 @@ class VLLMEngine:
             )
         self.llm = LLM(**kwargs)
         self.sleeping = False
+        self.unlinked_shm = _unlink_vllm_shm_segments() if torch.distributed.is_initialized() else []
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch:

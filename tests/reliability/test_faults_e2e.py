@@ -8,6 +8,7 @@ resume_mode=auto must reproduce its metrics exactly. Faults are injected with th
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,10 @@ BOUND_S = 150  # a fault must be reported well within this (start-up included)
 
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 def _marker(run: Path) -> str:
@@ -72,7 +77,7 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
     tiny_run_inputs, tmp_path, reference, fault, rank, method
 ):
     run = tmp_path / "run"
-    start = time.monotonic()
+    start, shm_before = time.monotonic(), _shm()
     proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
                               env={"RLHF_FAULT": fault})  # fmt: skip
     assert proc.returncode != 0
@@ -80,6 +85,9 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
         proc.stderr[-3000:]
     )
     assert time.monotonic() - start < BOUND_S
+    # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
+    # killed workers left nothing in /dev/shm for the restart to collide with.
+    assert _shm() - shm_before == set()
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
     # Step 2 died before its checkpoint (mid-rollout, or after the update but before vLLM had the
     # new weights): the restart redoes step 2 from checkpoint 1 and must match the reference.

@@ -91,6 +91,8 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
     engine = VLLMEngine(hf_dir, {"dtype": "float32", "max_num_seqs": 4}, max_model_len=64,
                         tensor_parallel_size=rollout_tp)  # fmt: skip
     from_checkpoint = name_captured(engine, captured)
+    unlinked = list(engine.unlinked_shm)
+    shm_left = [n for n in unlinked if os.path.exists(f"/dev/shm/{n}")]
     # vLLM loader's per-rank tensors vs ours, for every tensor vLLM kept.
     if arch.tie_word_embeddings and "lm_head.weight" in from_checkpoint:
         # vLLM ties lm_head to embed_tokens: the embedding we send is what it uses.
@@ -113,6 +115,10 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
     )
     engine.shutdown()
     result.update(
-        vllm_tensors=len(from_checkpoint), sharded_mismatch=sharded_mismatch, refit_mismatch=refit_mismatch
+        vllm_tensors=len(from_checkpoint),
+        sharded_mismatch=sharded_mismatch,
+        refit_mismatch=refit_mismatch,
+        shm_unlinked=unlinked,
+        shm_left=shm_left,
     )
     return result
