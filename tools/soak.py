@@ -4,8 +4,8 @@ Starts `python -m rlhf_megatron.train` (default: configs/quickstart_cpu.yaml), f
 metrics.jsonl, and after every step samples the resident memory of the driver and of every process
 under it (Ray's raylet and workers, where the Megatron models and vLLM live). After a warm-up it
 fits a line through RSS and through `timing_s/sync_weights` per step and prints one JSON object.
-The warm-up matters: the workers' RSS climbs for the first ~15-20 steps on the CPU quickstart
-(allocator arenas filling as sequence lengths vary) and is flat after that. The last step is
+The warm-up matters: the workers' RSS climbs fastest over the first steps on the CPU quickstart
+(native caches filling as sequence lengths vary; see the README's Soak section) and levels off. The last step is
 left out too: it includes the final checkpoint save.
 
     {"steps": ..., "rss_mb_per_step": ..., "worker_rss_mb": [first, last], "sync_s_per_step": ...,
