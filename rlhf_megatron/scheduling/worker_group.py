@@ -40,6 +40,10 @@ DISPATCH_MODES = ("all", "dp_compute", "rank0")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+DEATH_GRACE_S = 5.0
+"""After a rank raises, how long to watch the others for a dead process (the likelier cause)."""
+
+
 class WorkerError(RuntimeError):
     """A rank of a worker group raised, died or missed its deadline."""
 
@@ -199,12 +203,40 @@ class WorkerGroup:
                         f"process died during {what} ({type(err).__name__}): {err}",
                     ) from err  # fmt: skip
                 except ray.exceptions.RayTaskError as err:
-                    self.kill()
                     detail = _ANSI.sub("", str(err))
+                    # A rank's collective fails ("Connection reset by peer") the moment a peer
+                    # dies, often before Ray reports the death: name the dead rank, the cause.
+                    dead = self._dead_peer(pending, index, min(DEATH_GRACE_S, max(remaining, 0.0)))
+                    self.kill()
+                    if dead is not None:
+                        dead_rank, death = dead
+                        first_line = detail.strip().splitlines()[-1] if detail.strip() else ""
+                        raise WorkerError(
+                            self.role, dead_rank, self._node_name(dead_rank),
+                            f"process died during {what} ({type(death).__name__}): {death}\n"
+                            f"(rank {rank} then failed too: {first_line})",
+                        ) from death  # fmt: skip
                     raise WorkerError(
                         self.role, rank, self._node_name(rank), f"{what} raised:\n{detail}"
                     ) from err
         return [results[r] for r in range(len(refs))]
+
+    @staticmethod
+    def _dead_peer(pending: list, index: dict, grace_s: float):
+        """(rank, error) of a pending call whose process died within ``grace_s``, else None."""
+        import ray
+
+        deadline = time.monotonic() + grace_s
+        while pending and (left := deadline - time.monotonic()) > 0:
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    return index[ref], err
+                except Exception:  # noqa: BLE001 (another rank's own error: keep looking for a death)
+                    continue
+        return None
 
     def kill(self) -> None:
         """Stop every actor of the group at once (no graceful shutdown: ranks may be stuck)."""

@@ -38,5 +38,13 @@ class EchoWorker(Worker):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
 
+    def die_then_peer_fails(self, on_rank: int):
+        """``on_rank`` dies a moment after the others' collective failed: the peers' errors reach
+        the driver before Ray reports the death, as when gloo sees the connection reset first."""
+        if self.rank == on_rank:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("Connection reset by peer (the collective lost its partner)")
+
     def hang(self):
         time.sleep(3600)

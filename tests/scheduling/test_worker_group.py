@@ -74,6 +74,19 @@ def test_killed_worker_is_reported_within_timeout(local_ray):
     pool.remove()
 
 
+def test_dead_rank_is_named_even_when_a_peer_error_arrives_first(local_ray):
+    group, pool = _group(2, 1, "die_late")
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        group.call("die_then_peer_fails", 1, timeout_s=60)
+    assert time.monotonic() - start < 30
+    msg = str(err.value)
+    assert msg.startswith("[actor] rank 1 on node") and "process died during die_then_peer_fails" in msg, msg
+    assert "rank 0 then failed too: RuntimeError: Connection reset by peer" in msg, msg
+    assert err.value.rank == 1
+    pool.remove()
+
+
 def test_hang_hits_the_deadline(local_ray):
     group, pool = _group(2, 1, "hang")
     start = time.monotonic()
