@@ -2,9 +2,14 @@
 
 The soak runs the CLI on the tiny model for 30 steps (about 40 s here) and fits RSS and weight-sync
 time over steps 16-29. The failing case plants a real leak and a real slowdown with the
-``RLHF_FAULT`` test hook (``leak:16``: each of the 2 actor workers keeps 16 MiB more per step;
+``RLHF_FAULT`` test hook (``leak:32``: each of the 2 actor workers keeps 32 MiB more per step;
 ``sync_drift:20``: each sync sleeps 20 ms longer than the one before), so the checks are shown to
 catch what they are for.
+
+So short a run has not finished warming up: its healthy RSS slope measured 0.3 MiB/step on one
+run and 5.8 on another (fresh clone, same machine type). The tests therefore use a 16 MiB/step
+bound, well above that noise and well below the planted 64 MiB/step; the tool's default (5) is
+for real soaks of 60+ steps with a 20-step warm-up.
 """
 
 import json
@@ -17,7 +22,7 @@ from reliability_helpers import ROOT, train_overrides
 
 pytestmark = pytest.mark.slow
 SOAK = [sys.executable, str(ROOT / "tools" / "soak.py")]
-ARGS = ["--steps", "30", "--warmup", "15"]
+ARGS = ["--steps", "30", "--warmup", "15", "--max-rss-mb-per-step", "16"]
 OWN_KEYS = ("trainer.default_local_dir=", "trainer.total_training_steps=")  # set by soak.py itself
 
 
@@ -31,7 +36,7 @@ def _soak(inputs, run_dir, env=None):
 def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
     proc, report = _soak(tiny_run_inputs, tmp_path / "run")
     assert proc.returncode == 0 and report["ok"] is True, report
-    assert report["rss_mb_per_step"] <= report["bounds"]["rss_mb_per_step"] == 5.0
+    assert report["rss_mb_per_step"] <= report["bounds"]["rss_mb_per_step"] == 16.0
     assert report["sync_s_per_step"] <= report["bounds"]["sync_s_per_step"] == 0.01
     assert report["total_rss_mb"][0] > 500, "the workers' memory (models, vLLM) is in the sample"
     steps = [
@@ -41,10 +46,10 @@ def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
 
 
 def test_soak_catches_a_memory_leak_and_a_slowing_weight_sync(tiny_run_inputs, tmp_path):
-    env = {**os.environ, "RLHF_FAULT": "leak:16,sync_drift:20"}
+    env = {**os.environ, "RLHF_FAULT": "leak:32,sync_drift:20"}
     proc, report = _soak(tiny_run_inputs, tmp_path / "run", env)
     assert proc.returncode == 1 and report["ok"] is False, report
-    assert 28 <= report["rss_mb_per_step"] <= 40, report  # 2 workers x 16 MiB = 32 MiB per step
+    assert 56 <= report["rss_mb_per_step"] <= 80, report  # 2 workers x 32 MiB = 64 MiB per step
     assert 0.017 <= report["sync_s_per_step"] <= 0.03, report  # 20 ms per step, plus noise
 
 
