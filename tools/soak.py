@@ -5,14 +5,14 @@ metrics.jsonl, and after every step samples the resident memory of the driver an
 under it (Ray's raylet and workers, where the Megatron models and vLLM live). After a warm-up it
 fits a line through RSS and through `timing_s/sync_weights` per step and prints one JSON object.
 The warm-up matters: the workers' RSS climbs fastest over the first steps on the CPU quickstart
-(native caches filling as sequence lengths vary; see the README's Soak section) and levels off. The last step is
-left out too: it includes the final checkpoint save.
+(native caches filling as sequence lengths vary; see the README's Soak section) and levels off.
+The last step is left out too: it includes the final checkpoint save.
 
-    {"steps": ..., "rss_mb_per_step": ..., "worker_rss_mb": [first, last], "sync_s_per_step": ...,
-     "ok": true|false, ...}
+    {"steps": ..., "rss_mb_per_step": ..., "total_rss_mb": [first, last],
+     "driver_rss_mb": [first, last], "sync_s_per_step": ..., "ok": true|false, ...}
 
-Memory figures are MiB. Exit status 1 when the RSS slope exceeds --max-rss-mb-per-step or the sync-time slope exceeds
---max-sync-slope (seconds per step), 2 when the run itself fails.
+Memory figures are MiB. Exit status 1 when the RSS slope exceeds --max-rss-mb-per-step or the
+sync-time slope exceeds --max-sync-slope (seconds per step), 2 when the run itself fails.
 
     .venv/bin/python tools/soak.py --steps 60 --warmup 20 [--config ...] [-- extra overrides]
 """

@@ -95,12 +95,10 @@ def _unlink_vllm_shm_segments() -> list[str]:
     if world.world_size > 1:
         torch.distributed.barrier(group=world.cpu_group)
     removed: list[str] = []
-    seen: set[int] = set()
-    for ref in list(parallel_state._groups.values()):
+    for ref in list(parallel_state._groups.values()):  # one weak reference per live group
         group = ref()
-        if group is None or id(group) in seen:
+        if group is None:
             continue
-        seen.add(id(group))
         ring = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
         if ring is not None and getattr(ring, "is_creator", False):
             name = ring.shared_memory.name

@@ -198,10 +198,7 @@ class WorkerGroup:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as err:
                     self.kill()
-                    raise WorkerError(
-                        self.role, rank, self._node_name(rank),
-                        f"process died during {what} ({type(err).__name__}): {err}",
-                    ) from err  # fmt: skip
+                    raise self._death_error(rank, what, err) from err
                 except ray.exceptions.RayTaskError as err:
                     detail = _ANSI.sub("", str(err))
                     # A rank's collective fails ("Connection reset by peer") the moment a peer
@@ -210,16 +207,17 @@ class WorkerGroup:
                     self.kill()
                     if dead is not None:
                         dead_rank, death = dead
-                        first_line = detail.strip().splitlines()[-1] if detail.strip() else ""
-                        raise WorkerError(
-                            self.role, dead_rank, self._node_name(dead_rank),
-                            f"process died during {what} ({type(death).__name__}): {death}\n"
-                            f"(rank {rank} then failed too: {first_line})",
-                        ) from death  # fmt: skip
+                        last_line = detail.strip().splitlines()[-1] if detail.strip() else ""
+                        note = f"(rank {rank} then failed too: {last_line})"
+                        raise self._death_error(dead_rank, what, death, note) from death
                     raise WorkerError(
                         self.role, rank, self._node_name(rank), f"{what} raised:\n{detail}"
                     ) from err
         return [results[r] for r in range(len(refs))]
+
+    def _death_error(self, rank: int, what: str, err: Exception, note: str = "") -> WorkerError:
+        detail = f"process died during {what} ({type(err).__name__}): {err}"
+        return WorkerError(self.role, rank, self._node_name(rank), f"{detail}\n{note}" if note else detail)
 
     @staticmethod
     def _dead_peer(pending: list, index: dict, grace_s: float):

@@ -31,24 +31,24 @@ import signal
 ENV = "RLHF_FAULT"
 
 
+def _entries(phase: str) -> list[list[str]]:
+    """The ``RLHF_FAULT`` entries for ``phase``, each split into its ``:`` fields."""
+    entries = (e.strip().split(":") for e in os.environ.get(ENV, "").split(",") if e.strip())
+    return [parts for parts in entries if parts[0] == phase]
+
+
 def fault_requested(phase: str, step: int, rank: int | None = None) -> bool:
     """True if ``RLHF_FAULT`` asks for ``phase`` at ``step`` (on ``rank``, when the entry names one)."""
-    for entry in filter(None, os.environ.get(ENV, "").split(",")):
-        parts = entry.strip().split(":")
-        if parts[0] != phase or int(parts[1]) != step:
-            continue
-        if len(parts) < 3 or rank is None or int(parts[2]) == rank:
-            return True
-    return False
+    return any(
+        int(parts[1]) == step and (len(parts) < 3 or rank is None or int(parts[2]) == rank)
+        for parts in _entries(phase)
+    )
 
 
 def fault_amount(phase: str) -> int:
     """The amount of the ``<phase>:<amount>`` entry of ``RLHF_FAULT`` (0 without one)."""
-    for entry in filter(None, os.environ.get(ENV, "").split(",")):
-        parts = entry.strip().split(":")
-        if parts[0] == phase:
-            return int(parts[1])
-    return 0
+    found = _entries(phase)
+    return int(found[0][1]) if found else 0
 
 
 def kill_self_if_requested(phase: str, step: int, rank: int | None = None) -> None:

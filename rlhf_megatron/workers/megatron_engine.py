@@ -332,7 +332,8 @@ class MegatronEngine:
             return {}
         subs = []
         for opt in self._sub_optimizers():
-            if not getattr(getattr(opt, "optimizer", None), "state", True):
+            inner = getattr(opt, "optimizer", None)  # the torch optimizer megatron-core wraps
+            if inner is not None and not inner.state:
                 # Never stepped (every update so far was skipped by nan_policy=skip, or the role is
                 # still in critic_warmup): Adam has no moments yet, and megatron-core's distributed
                 # optimizer cannot serialise that (CPU: it asserts on the missing "step"). A fresh
