@@ -84,8 +84,8 @@ def write_random_checkpoint(
     import transformers
     from safetensors.torch import save_file
 
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
-    from rlhf_megatron.models.arch import ModelArch
     from rlhf_megatron.models.spec import expected_hf_shapes
 
     out_dir = Path(out_dir)
@@ -339,7 +339,7 @@ def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int 
     """This rank's Megatron actor (TP = world size, PP = 1) loaded from ``hf_dir``, and a vLLM engine at TP ``tp``."""
     import torch
 
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.loader import load_hf_weights
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel
@@ -519,7 +519,7 @@ def main(argv=None) -> None:
                 ffn=args.ffn, vocab=args.vocab, dtype=args.dtype,
             )  # fmt: skip
         build_s = time.perf_counter() - t0
-        from rlhf_megatron.models.arch import ModelArch
+        from rlhf_megatron.config.model_arch import ModelArch
         from rlhf_megatron.models.spec import expected_hf_shapes
 
         arch = ModelArch.from_hf_dir(model_dir)

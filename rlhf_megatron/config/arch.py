@@ -1,10 +1,10 @@
-"""Architecture numbers of a role's model, and parameter counts derived from them.
+"""Which architecture each role's model has, and parameter counts derived from it.
 
-Role: gives validation and the memory planner the few numbers they need (layers, heads,
-widths, vocabulary, position limit) without a model hub or transformers: from the
-``model_arch`` section when a preset carries one, else from ``<model.path>/config.json``
-read as plain JSON. ``count_parameters`` computes a Llama/Qwen2-style decoder's size from
-them; a test holds it to published totals within 0.5%.
+Role: gives validation, the memory planner and the trainer's MFU one ``ModelArch`` per
+role without a model hub or transformers: from the ``model_arch`` section when a preset
+carries one (HF ``config.json`` keys), else from ``<model.path>/config.json``.
+``count_parameters`` computes the model's size from it; a test holds it to published
+totals within 0.5%.
 
 Boundaries: pure functions over the config and JSON files; no torch, no transformers.
 """
@@ -18,20 +18,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config.schema import ModelArchConfig
+from rlhf_megatron.config.model_arch import HeadKind, ModelArch
 
-__all__ = [
-    "ParamCount",
-    "arch_for_role",
-    "arch_from_hf_config",
-    "count_parameters",
-    "head_dim",
-    "kv_heads",
-    "read_hf_config",
-]
+__all__ = ["ParamCount", "arch_for_role", "count_parameters", "read_hf_config"]
 
-# HF model types whose Q/K/V projections carry a bias although config.json does not say so.
-_QKV_BIAS_MODEL_TYPES = {"qwen2", "qwen2_moe"}
+# Role -> the head its model carries.
+_ROLE_HEADS: dict[str, HeadKind] = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
 
 
 def read_hf_config(model_path: str | None) -> dict[str, Any] | None:
@@ -45,38 +37,14 @@ def read_hf_config(model_path: str | None) -> dict[str, Any] | None:
         return json.load(fh)
 
 
-def arch_from_hf_config(hf: dict[str, Any]) -> ModelArchConfig:
-    """Map an HF ``config.json`` (Llama, Qwen2, Mistral naming) to ``ModelArchConfig``."""
-    # Multimodal and some newer configs nest the language model's numbers.
-    hf = hf.get("text_config", hf)
-    heads = hf["num_attention_heads"]
-    return ModelArchConfig(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", False)) or hf.get("model_type") in _QKV_BIAS_MODEL_TYPES,
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        max_position_embeddings=hf["max_position_embeddings"],
-        head_dim=hf.get("head_dim"),
-    )
-
-
-def _as_arch(node: Any) -> ModelArchConfig:
-    if isinstance(node, ModelArchConfig):
-        return node
-    return ModelArchConfig(**OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
-
-
-def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArchConfig | None, str]:
+def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArch | None, str]:
     """Architecture of ``role`` (actor, ref, critic or reward_model) and where it came from.
 
     ``model_arch`` describes ``actor_rollout_ref.model``, so it serves the actor, the
     reference and a critic that starts from the same path. A critic on another path, and
     the reward model, use their own ``config.json``. Returns ``(None, reason)`` when unknown.
+    Raises ``model_arch.UnsupportedModelError`` when the description names a model this
+    project cannot build.
     """
     actor_path = cfg.actor_rollout_ref.model.path
     path = {
@@ -85,20 +53,15 @@ def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArchConfig | None, s
         "critic": cfg.critic.model.path,
         "reward_model": cfg.reward_model.model.path,
     }[role]
+    head = _ROLE_HEADS[role]
     if cfg.model_arch is not None and path == actor_path:
-        return _as_arch(cfg.model_arch), "model_arch"
+        hf = OmegaConf.to_container(cfg.model_arch, resolve=True)
+        return ModelArch.from_hf_config(hf, head=head, source="model_arch"), "model_arch"
     hf = read_hf_config(path)
     if hf is not None:
-        return arch_from_hf_config(hf), f"{path}/config.json"
+        source = f"{path}/config.json"
+        return ModelArch.from_hf_config(hf, head=head, source=source), source
     return None, f"no model_arch section and no config.json under {path}"
-
-
-def head_dim(arch: ModelArchConfig) -> int:
-    return arch.head_dim or arch.hidden_size // arch.num_attention_heads
-
-
-def kv_heads(arch: ModelArchConfig) -> int:
-    return arch.num_key_value_heads or arch.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -121,20 +84,21 @@ class ParamCount:
         return self.embedding + self.per_layer * self.num_layers + self.final_norm + self.output
 
 
-def count_parameters(arch: ModelArchConfig, value_head: bool = False) -> ParamCount:
-    """Parameters of a Llama/Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU, no biases except
-    optional Q/K/V biases). ``value_head`` replaces the LM head by a hidden -> 1 projection,
-    as the critic does."""
-    h, d = arch.hidden_size, head_dim(arch)
-    q_width, kv_width = arch.num_attention_heads * d, kv_heads(arch) * d
+def count_parameters(arch: ModelArch) -> ParamCount:
+    """Parameters of ``arch`` (RMSNorm, RoPE, GQA, SwiGLU; Q/K/V biases and q/k norms where the
+    family has them). A value or reward head is a hidden -> 1 projection (plus its bias)."""
+    h, d = arch.hidden_size, arch.head_dim
+    q_width, kv_width = arch.num_attention_heads * d, arch.num_kv_heads * d
     attention = h * q_width + 2 * h * kv_width + q_width * h
     if arch.qkv_bias:
         attention += q_width + 2 * kv_width
+    if arch.qk_norm:
+        attention += 2 * d
     mlp = 3 * h * arch.ffn_hidden_size  # gate, up, down
     norms = 2 * h
     embedding = arch.vocab_size * h
-    if value_head:
-        output = h
+    if arch.head != "lm":
+        output = h + int(arch.head_bias)
     else:
         output = 0 if arch.tie_word_embeddings else arch.vocab_size * h
     return ParamCount(

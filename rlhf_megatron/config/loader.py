@@ -170,14 +170,17 @@ def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
     for key, value in layers.values.items():
         source = layers.origin[key]
         parts = key.split(".")
-        # An optional section (model_arch) is None until one of its keys is set.
+        # An optional section or free-form dict (model_arch) is None until one of its keys is set.
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
             meta = info.get(prefix)
-            if meta and meta.section and meta.optional and OmegaConf.select(cfg, prefix) is None:
+            if not (meta and meta.optional and (meta.section or meta.open_dict)):
+                continue
+            if OmegaConf.select(cfg, prefix) is None:
                 if i == len(parts) and value is None:
                     break
-                OmegaConf.update(cfg, prefix, meta.section_type(), merge=False)
+                empty = meta.section_type() if meta.section else {}
+                OmegaConf.update(cfg, prefix, empty, merge=False)
         meta = info.get(key)
         if meta is not None and meta.section and value is not None and value != {}:
             errors.append(

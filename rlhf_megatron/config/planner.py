@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config import roles as roles_mod
-from rlhf_megatron.config.arch import arch_for_role, count_parameters, head_dim, kv_heads
+from rlhf_megatron.config.arch import arch_for_role, count_parameters
 from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.roles import (
     ACTOR_TRAIN_MICRO,
     CRITIC_TRAIN_MICRO,
@@ -50,7 +51,6 @@ from rlhf_megatron.config.roles import (
     data_parallel_size,
     megatron_section,
 )
-from rlhf_megatron.config.schema import ModelArchConfig
 
 __all__ = ["GIB", "MemoryPlan", "RoleMemory", "RolloutMemory", "format_plan", "plan_memory"]
 
@@ -166,14 +166,14 @@ class MemoryPlan:
 
 
 def _activation_per_layer(
-    arch: ModelArchConfig, m: DictConfig, tokens: float, seq: int, with_scores: bool
+    arch: ModelArch, m: DictConfig, tokens: float, seq: int, with_scores: bool
 ) -> float:
     """Bytes one layer keeps for backward for ``tokens`` tokens (micro-batch x sequence)."""
     e = DTYPE_BYTES[m.params_dtype]
     tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
     sp = m.sequence_parallel and tp > 1
-    h, d = arch.hidden_size, head_dim(arch)
-    q, kv = arch.num_attention_heads * d, kv_heads(arch) * d
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     local_tokens = tokens / cp
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) / tp  # q,k,v, attn out, fc1 (gate+up), fc2 input
@@ -184,7 +184,7 @@ def _activation_per_layer(
 
 
 def _stage_activations(
-    arch: ModelArchConfig, m: DictConfig, tokens: float, seq: int, granularity: str | None
+    arch: ModelArch, m: DictConfig, tokens: float, seq: int, granularity: str | None
 ) -> tuple[float, float]:
     """(first stage, last stage) training activations, bytes, excluding logits."""
     pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
@@ -209,9 +209,10 @@ def _stage_activations(
     return layers * full * inflight, layers * full
 
 
-def _stage_params(arch: ModelArchConfig, pp: int, value_head: bool) -> list[int]:
+def _stage_params(arch: ModelArch, pp: int) -> list[int]:
     """Parameter count of the first and the last pipeline stage (one entry when PP = 1)."""
-    c = count_parameters(arch, value_head=value_head)
+    c = count_parameters(arch)
+    value_head = arch.head != "lm"
     layers = c.per_layer * (arch.num_layers // pp)
     if pp == 1:
         return [c.total]
@@ -238,7 +239,7 @@ _ROLE_MICRO_KEYS = {
 }
 
 
-def _role_memory(cfg: DictConfig, role: str, arch: ModelArchConfig, world: int, seq: int) -> RoleMemory:
+def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: int) -> RoleMemory:
     m = megatron_section(cfg, role)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     dp = data_parallel_size(cfg, role, world) or 1
@@ -257,7 +258,7 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArchConfig, world: int, 
             arch, m, tokens, seq, None if m.recompute_granularity else "selective"
         )
 
-    stages = _stage_params(arch, pp, value_head)
+    stages = _stage_params(arch, pp)
     candidates = []
     for stage, count in enumerate(stages):
         local = count / tp
@@ -285,19 +286,19 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArchConfig, world: int, 
     return max(candidates, key=lambda r: max(r.training_phase() if trains else 0.0, r.forward_phase()))
 
 
-def _rollout_memory(cfg: DictConfig, arch: ModelArchConfig, gpu: float) -> RolloutMemory:
+def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemory:
     r = cfg.actor_rollout_ref.rollout
     tp, e = r.tensor_model_parallel_size, DTYPE_BYTES[r.dtype]
     weights = count_parameters(arch).total * e / tp
-    h, d, f = arch.hidden_size, head_dim(arch), arch.ffn_hidden_size
-    q, kv = arch.num_attention_heads * d, kv_heads(arch) * d
+    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     # vLLM's profiling forward over max_num_batched_tokens: widest live tensors of one layer,
     # plus fp32 logits of the last token of each scheduled sequence (gathered over TP).
     profile = r.max_num_batched_tokens * e * (2 * h + (q + 2 * kv) / tp + 2 * f / tp)
     profile += min(r.max_num_seqs, r.max_num_batched_tokens) * arch.vocab_size * 4
     overhead = profile + VLLM_NON_TORCH_GIB * GIB + (0 if r.enforce_eager else VLLM_CUDA_GRAPH_GIB * GIB)
     budget = r.gpu_memory_utilization * gpu
-    kv_heads_per_gpu = max(1, kv_heads(arch) // tp)  # KV heads are replicated when TP exceeds them
+    kv_heads_per_gpu = max(1, arch.num_kv_heads // tp)  # KV heads are replicated when TP exceeds them
     kv_per_token = 2 * arch.num_layers * kv_heads_per_gpu * d * e
     kv_cache = budget - weights - overhead
     sequence_tokens = r.prompt_length + r.response_length

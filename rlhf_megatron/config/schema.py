@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
-
 from rlhf_megatron.config.schema_roles import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -49,7 +47,6 @@ __all__ = [
     "DataConfig",
     "KLControlConfig",
     "MegatronConfig",
-    "ModelArchConfig",
     "ModelConfig",
     "OptimConfig",
     "PolicyLossConfig",
@@ -312,48 +309,6 @@ class RayInitConfig:
 
 
 @dataclass
-class ModelArchConfig:
-    """``model_arch``: architecture numbers of the actor's model (our extension).
-
-    Presets carry these so validation and ``rlhf-megatron plan`` need neither a hub nor the
-    checkpoint. When the section is absent, they are read from ``<model.path>/config.json``.
-    """
-
-    num_layers: int = MISSING
-    """Transformer layers (HF ``num_hidden_layers``)."""
-
-    hidden_size: int = MISSING
-    """Model width."""
-
-    num_attention_heads: int = MISSING
-    """Query heads."""
-
-    num_key_value_heads: int | None = None
-    """Key/value heads (query groups) for GQA; null means as many as query heads (MHA)."""
-
-    ffn_hidden_size: int = MISSING
-    """Width of the SwiGLU MLP (HF ``intermediate_size``)."""
-
-    vocab_size: int = MISSING
-    """Vocabulary size of the embedding and output layer."""
-
-    tie_word_embeddings: bool = False
-    """The output layer reuses the input embedding."""
-
-    qkv_bias: bool = False
-    """Biases on the Q, K and V projections (Qwen2)."""
-
-    rope_theta: float = 10000.0
-    """Base of the rotary position embedding."""
-
-    max_position_embeddings: int = MISSING
-    """Longest sequence (prompt + response) the model supports."""
-
-    head_dim: int | None = None
-    """Per-head width; null means hidden_size // num_attention_heads."""
-
-
-@dataclass
 class RunConfig:
     """The root: every section of a run's configuration."""
 
@@ -384,5 +339,8 @@ class RunConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """Ray start-up."""
 
-    model_arch: ModelArchConfig | None = None
-    """Architecture numbers of the actor's model; null reads ``<model.path>/config.json``."""
+    model_arch: dict[str, Any] | None = None
+    """The actor model's Hugging Face ``config.json`` (all of it, or the keys that describe the
+    architecture: ``architectures``, ``model_type``, ``num_hidden_layers``, ``hidden_size``, ...).
+    Presets carry it so validation and ``rlhf-megatron plan`` need neither a hub nor the
+    checkpoint; null reads ``<model.path>/config.json`` (our extension)."""

@@ -19,8 +19,9 @@ from math import gcd
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config.arch import arch_for_role, arch_from_hf_config, head_dim, kv_heads, read_hf_config
+from rlhf_megatron.config.arch import arch_for_role, read_hf_config
 from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS, KL_CTRL_TYPES, registry_names
 from rlhf_megatron.config.roles import (
     ACTOR_TRAIN_MICRO,
@@ -34,7 +35,6 @@ from rlhf_megatron.config.roles import (
     per_gpu_micro_batch,
     world_size,
 )
-from rlhf_megatron.config.schema import ModelArchConfig
 
 __all__ = ["RULES", "ArchUnknownWarning", "ValidationContext", "validate_config"]
 
@@ -53,13 +53,21 @@ class ValidationContext:
     cfg: DictConfig
     world: int
     roles: list[str]
-    archs: dict[str, tuple[ModelArchConfig | None, str]] = field(default_factory=dict)
+    archs: dict[str, tuple[ModelArch | None, str]] = field(default_factory=dict)
+    arch_errors: list[str] = field(default_factory=list)
+    """Model descriptions that name something this project cannot build (reported as errors)."""
 
     @classmethod
     def build(cls, cfg: DictConfig, world_size_override: int | None = None) -> ValidationContext:
         roles = active_roles(cfg)
-        archs = {role: arch_for_role(cfg, role) for role in roles}
-        return cls(cfg, world_size(cfg, world_size_override), roles, archs)
+        archs, errors = {}, []
+        for role in roles:
+            try:
+                archs[role] = arch_for_role(cfg, role)
+            except UnsupportedModelError as e:
+                archs[role] = (None, f"{role}: unsupported model")
+                errors.append(str(e))  # names its source (model_arch or a config.json)
+        return cls(cfg, world_size(cfg, world_size_override), roles, archs, list(dict.fromkeys(errors)))
 
     def get(self, key: str):
         return OmegaConf.select(self.cfg, key)
@@ -280,14 +288,17 @@ def check_model_arch_matches_checkpoint(ctx: ValidationContext) -> list[str]:
     hf = read_hf_config(path) if source == "model_arch" else None
     if arch is None or hf is None:
         return []
-    real = arch_from_hf_config(hf)
-    derived = {"num_key_value_heads": kv_heads, "head_dim": head_dim}
+    try:
+        real = ModelArch.from_hf_config(hf, head=arch.head, source=f"{path}/config.json")
+    except UnsupportedModelError as e:
+        return [str(e)]
     out = []
     for name in (
+        "architecture",
         "num_layers",
         "hidden_size",
         "num_attention_heads",
-        "num_key_value_heads",
+        "num_kv_heads",
         "head_dim",
         "ffn_hidden_size",
         "vocab_size",
@@ -295,11 +306,10 @@ def check_model_arch_matches_checkpoint(ctx: ValidationContext) -> list[str]:
         "qkv_bias",
         "max_position_embeddings",
     ):
-        get = derived.get(name, lambda a, n=name: getattr(a, n))
-        if get(arch) != get(real):
+        if getattr(arch, name) != getattr(real, name):
             out.append(
-                f"model_arch.{name}={get(arch)} but {path}/config.json has {get(real)}; "
-                "correct model_arch or remove the section to use config.json"
+                f"model_arch gives {name}={getattr(arch, name)} but {path}/config.json has {getattr(real, name)}; "
+                "correct model_arch (it takes config.json's keys) or remove the section to use config.json"
             )
     return out
 
@@ -312,7 +322,7 @@ def check_tp_divides_heads(ctx: ValidationContext) -> list[str]:
         if arch is None:
             continue
         tp = megatron_section(ctx.cfg, role).tensor_model_parallel_size
-        heads, groups = arch.num_attention_heads, kv_heads(arch)
+        heads, groups = arch.num_attention_heads, arch.num_kv_heads
         if heads % tp or groups % tp:
             out.append(
                 f"{ROLE_SECTIONS[role]}.megatron.tensor_model_parallel_size={tp} must divide num_attention_heads="
@@ -483,7 +493,7 @@ def check_rollout_tp(ctx: ValidationContext) -> list[str]:
         out.append(f"{key}={tp} does not divide the world size {ctx.world}; choose a divisor of {ctx.world}")
     arch, source = ctx.archs["actor"]
     if arch is not None:
-        heads, groups = arch.num_attention_heads, kv_heads(arch)
+        heads, groups = arch.num_attention_heads, arch.num_kv_heads
         if heads % tp:
             out.append(f"{key}={tp} does not divide num_attention_heads={heads} ({source})")
         # vLLM replicates KV heads when TP exceeds them, which needs TP to be a multiple.
@@ -567,7 +577,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
     """
     ctx = ValidationContext.build(cfg, world_size)
     unknown = sorted({source for arch, source in ctx.archs.values() if arch is None})
-    if unknown:
+    if unknown and not ctx.arch_errors:
         warnings.warn(
             "model architecture unknown ("
             + "; ".join(unknown)
@@ -576,7 +586,7 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             ArchUnknownWarning,
             stacklevel=2,
         )
-    errors: list[str] = []
+    errors: list[str] = list(ctx.arch_errors)
     sizes_ok = True
     for rule in RULES:
         if rule in _SIZE_RULES and not sizes_ok:

@@ -20,6 +20,11 @@ Only this package and ``platform/`` touch ``megatron.core.parallel_state``.
 ``arch``, ``spec``, ``stages`` and ``hf_io`` import no megatron and run without processes.
 """
 
-from rlhf_megatron.models.arch import SUPPORTED_ARCHITECTURES, ModelArch, RopeScaling, UnsupportedModelError
+from rlhf_megatron.config.model_arch import (
+    SUPPORTED_ARCHITECTURES,
+    ModelArch,
+    RopeScaling,
+    UnsupportedModelError,
+)
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelArch", "RopeScaling", "UnsupportedModelError"]

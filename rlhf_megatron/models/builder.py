@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.platform import is_cuda
 

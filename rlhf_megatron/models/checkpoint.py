@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.loader import unwrap_model
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
 from rlhf_megatron.models.spec import hf_names, hf_to_mcore, local_to_global_layer
 

@@ -48,7 +48,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.stages import StageError, global_to_local_layer, layer_offset, local_to_global_layer
 
 __all__ = [

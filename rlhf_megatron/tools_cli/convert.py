@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.models.arch import ModelArch, UnsupportedModelError
+from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
 from rlhf_megatron.models.spec import (
     SpecError,

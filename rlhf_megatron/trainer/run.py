@@ -119,7 +119,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     import ray
     from transformers import AutoTokenizer
 
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.arch import count_parameters
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.trainer.checkpoint import CheckpointManager
     from rlhf_megatron.trainer.loggers import Tracker
     from rlhf_megatron.trainer.ppo_trainer import PPOTrainer, StopTraining
@@ -140,8 +141,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     pool = groups = None
     try:
         pool, groups = _worker_groups(cfg, total, plain)
-        arch = ModelArch.from_hf_dir(model_path)
-        n_params = _count_params(arch)
+        n_params = count_parameters(ModelArch.from_hf_dir(model_path)).total
         trainer = PPOTrainer(
             cfg, actor=groups["actor"], critic=groups.get("critic"), reward_model=groups.get("reward_model"),
             reward_fn=reward_fn, val_reward_fn=val_reward_fn, train_loader=train_loader, val_loader=val_loader,
@@ -203,13 +203,3 @@ def _report(run_dir: Path, history: list[dict[str, Any]]) -> None:
     if len(vals) >= 2:
         lines.append(f"val/reward_mean: {vals[0]:.3f} -> {vals[-1]:.3f}")
     print("\n".join(lines), flush=True)
-
-
-def _count_params(arch) -> int:
-    """Parameters of the actor (for MFU): embeddings, attention, MLP, norms, output layer."""
-    h, f, layers = arch.hidden_size, arch.ffn_hidden_size, arch.num_layers
-    q = arch.num_attention_heads * arch.head_dim
-    kv = arch.num_kv_heads * arch.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h
-    emb = arch.vocab_size * h
-    return layers * per_layer + emb * (1 if arch.tie_word_embeddings else 2) + h

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import (
     global_to_local_layer,
     mcore_full_shape,

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.data.balance import balance_partitions
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.models.arch import ModelArch
 from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 

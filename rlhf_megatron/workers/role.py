@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.models.arch import ModelArch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.platform import init_model_parallel, is_cuda
 from rlhf_megatron.workers.base import Worker

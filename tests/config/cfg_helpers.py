@@ -9,11 +9,12 @@ from rlhf_megatron.config import load_config
 
 # A 4-layer GQA model: 4 query heads, 2 KV heads.
 TINY_ARCH = [
-    "model_arch.num_layers=4",
+    "model_arch.model_type=llama",
+    "model_arch.num_hidden_layers=4",
     "model_arch.hidden_size=256",
     "model_arch.num_attention_heads=4",
     "model_arch.num_key_value_heads=2",
-    "model_arch.ffn_hidden_size=512",
+    "model_arch.intermediate_size=512",
     "model_arch.vocab_size=384",
     "model_arch.max_position_embeddings=2048",
 ]

@@ -8,8 +8,9 @@ import pytest
 from cfg_helpers import make_cfg
 
 from rlhf_megatron import cli
-from rlhf_megatron.config import ConfigError, ModelArchConfig, load_config
+from rlhf_megatron.config import ConfigError, load_config
 from rlhf_megatron.config.arch import arch_for_role, count_parameters
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.planner import GIB, _stage_activations, format_plan, plan_memory
 from rlhf_megatron.config.presets import CONFIGS_DIR
 
@@ -17,7 +18,7 @@ MODEL_PRESETS = sorted(p.relative_to(CONFIGS_DIR).as_posix() for p in (CONFIGS_D
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _arch(preset: str) -> ModelArchConfig:
+def _arch(preset: str) -> ModelArch:
     arch, source = arch_for_role(load_config(preset, []), "actor")
     assert source == "model_arch"
     return arch
@@ -49,8 +50,9 @@ def test_exact_counts_for_known_checkpoints():
 
 def test_critic_swaps_the_lm_head_for_a_value_head():
     arch = _arch("models/llama3.1_8b.yaml")
-    lm, critic = count_parameters(arch), count_parameters(arch, value_head=True)
-    assert lm.total - critic.total == arch.vocab_size * arch.hidden_size - arch.hidden_size
+    lm, critic = count_parameters(arch), count_parameters(arch.with_head("value"))
+    # the value head is hidden -> 1 plus a bias, as HF's *ForTokenClassification
+    assert lm.total - critic.total == arch.vocab_size * arch.hidden_size - arch.hidden_size - 1
 
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
@@ -151,7 +153,7 @@ def test_first_pipeline_stage_holds_pp_microbatches_in_flight():
     selective = "actor_rollout_ref.actor.megatron.recompute_granularity=selective"
     pp1 = _actor(selective).activations
     cfg = make_cfg(selective, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
-    arch, m = cfg.model_arch, cfg.actor_rollout_ref.actor.megatron
+    arch, m = arch_for_role(cfg, "actor")[0], cfg.actor_rollout_ref.actor.megatron
     first, last = _stage_activations(arch, m, 4 * 1024, 1024, "selective")
     assert first == pytest.approx(pp1)  # half the layers x 2 micro-batches in flight
     assert last == pytest.approx(pp1 / 2)  # half the layers x 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from omegaconf import OmegaConf
 
 from rlhf_megatron.config import load_config
+from rlhf_megatron.config.arch import arch_for_role
 from rlhf_megatron.config.presets import CONFIGS_DIR, list_presets, read_preset_layers
 
 PRESETS = [p.relative_to(CONFIGS_DIR).as_posix() for p in list_presets()]
@@ -18,7 +18,7 @@ PUBLISHED = {
         num_layers=32,
         hidden_size=4096,
         num_attention_heads=32,
-        num_key_value_heads=32,
+        num_kv_heads=32,
         ffn_hidden_size=11008,
         vocab_size=32000,
         tie_word_embeddings=False,
@@ -29,7 +29,7 @@ PUBLISHED = {
         num_layers=32,
         hidden_size=4096,
         num_attention_heads=32,
-        num_key_value_heads=8,
+        num_kv_heads=8,
         ffn_hidden_size=14336,
         vocab_size=128256,
         tie_word_embeddings=False,
@@ -40,7 +40,7 @@ PUBLISHED = {
         num_layers=28,
         hidden_size=3584,
         num_attention_heads=28,
-        num_key_value_heads=4,
+        num_kv_heads=4,
         ffn_hidden_size=18944,
         vocab_size=152064,
         tie_word_embeddings=False,
@@ -50,7 +50,7 @@ PUBLISHED = {
         num_layers=48,
         hidden_size=5120,
         num_attention_heads=40,
-        num_key_value_heads=8,
+        num_kv_heads=8,
         ffn_hidden_size=13824,
         vocab_size=152064,
         qkv_bias=True,
@@ -59,7 +59,7 @@ PUBLISHED = {
         num_layers=64,
         hidden_size=5120,
         num_attention_heads=40,
-        num_key_value_heads=8,
+        num_kv_heads=8,
         ffn_hidden_size=27648,
         vocab_size=152064,
         qkv_bias=True,
@@ -68,7 +68,7 @@ PUBLISHED = {
         num_layers=80,
         hidden_size=8192,
         num_attention_heads=64,
-        num_key_value_heads=8,
+        num_kv_heads=8,
         ffn_hidden_size=28672,
         vocab_size=128256,
         tie_word_embeddings=False,
@@ -77,7 +77,7 @@ PUBLISHED = {
         num_layers=80,
         hidden_size=8192,
         num_attention_heads=64,
-        num_key_value_heads=8,
+        num_kv_heads=8,
         ffn_hidden_size=29568,
         vocab_size=152064,
         qkv_bias=True,
@@ -107,16 +107,17 @@ def test_preset_loads_and_validates_without_warnings(preset):
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_model_preset_architecture_is_the_published_one(preset):
-    arch = OmegaConf.to_container(load_config(preset, []).model_arch)
+    arch, source = arch_for_role(load_config(preset, []), "actor")
+    assert source == "model_arch"
     for key, value in PUBLISHED[preset].items():
-        assert arch[key] == value, key
+        assert getattr(arch, key) == value, key
 
 
 def test_quickstart_cpu_matches_the_spec():
     cfg = load_config("quickstart_cpu", [])
-    arch = cfg.model_arch
+    arch = arch_for_role(cfg, "actor")[0]
     # tools/make_tiny_model.py's policy: 2 layers, hidden 256, 4 query heads of 64, 2 KV heads
-    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads) == (
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads) == (
         2,
         256,
         4,
@@ -142,7 +143,7 @@ def test_quickstart_cpu_ppo_layers_on_the_grpo_one():
     cfg = load_config("quickstart_cpu_ppo", [])
     assert cfg.algorithm.adv_estimator == "gae"
     assert cfg.critic.ppo_micro_batch_size_per_gpu == 4
-    assert cfg.model_arch.num_layers == 2  # inherited
+    assert cfg.model_arch.num_hidden_layers == 2  # inherited
 
 
 def test_examples_layer_on_model_presets():

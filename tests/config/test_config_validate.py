@@ -103,9 +103,9 @@ CASES = {
     V.check_model_arch_matches_checkpoint: (
         lambda tmp: [f"actor_rollout_ref.model.path={write_hf_config(tmp / 'm', num_hidden_layers=4)}"],
         [
-            "model_arch.hidden_size=256 but ",
-            "/m/config.json has 2048; correct model_arch or remove the section to use config.json",
-            "model_arch.vocab_size=384 but ",
+            "model_arch gives hidden_size=256 but ",
+            "/m/config.json has 2048; correct model_arch (it takes config.json's keys) or remove the section",
+            "model_arch gives vocab_size=384 but ",
         ],
     ),
     V.check_tp_divides_heads: (
@@ -352,5 +352,6 @@ def test_model_arch_that_matches_the_checkpoint_passes(tmp_path):
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         model_type="llama",
+        architectures=["LlamaForCausalLM"],
     )
     assert _errors(f"actor_rollout_ref.model.path={model}") == []

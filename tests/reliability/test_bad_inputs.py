@@ -186,7 +186,7 @@ def _edit_config(path, **change):
 
 
 def _hf_unsupported_arch(tmp, model):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
 
     m = _copy_model(tmp, model)
     _edit_config(m, architectures=["FalconForCausalLM"], model_type="falcon")
@@ -194,7 +194,7 @@ def _hf_unsupported_arch(tmp, model):
 
 
 def _hf_missing_config(tmp, model):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
 
     m = _copy_model(tmp, model)
     (m / "config.json").unlink()
@@ -211,7 +211,7 @@ def _hf_missing_shard(tmp, model):
 
 
 def _hf_tokenizer_larger_than_vocab(tmp, model):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.trainer.run import check_tokenizer_fits_model
 
     tok = _tokenizer(model)

@@ -38,7 +38,7 @@ def name_captured(engine, captured) -> dict[str, torch.Tensor]:
 
 
 def build_actor(hf_dir, tp, pp):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.loader import load_hf_weights
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel

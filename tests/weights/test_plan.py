@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlhf_megatron.models.arch import ModelArch
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import expected_hf_shapes
 from rlhf_megatron.weights import TrainLayout, build_sync_plan
 from rlhf_megatron.weights.execute import _vllm_slice

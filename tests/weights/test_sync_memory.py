@@ -104,7 +104,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_sync_peak_memory_is_one_bucket_not_the_model(model_dir):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.spec import expected_hf_shapes
 
     arch = ModelArch.from_hf_dir(model_dir)

@@ -176,7 +176,7 @@ def _single_process_values(model_path, batch):
 
 
 def _values_tp1(rank, world, model_path, batch):
-    from rlhf_megatron.models.arch import ModelArch
+    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.forward import forward_logits_or_values
     from rlhf_megatron.models.loader import load_hf_weights

@@ -1,9 +1,11 @@
 """What a Hugging Face ``config.json`` says about a model, in one typed object.
 
-``ModelArch`` is the single description of a decoder-only transformer that the
-rest of ``models/`` (and the weight converter in ``weights/``) works from: the
-builder turns it into a megatron-core ``TransformerConfig``, the HF⇄mcore spec
-uses it for tensor shapes and layouts, checkpoints store it as JSON.
+``ModelArch`` is the project's single description of a model: validation and the
+memory planner (``config/``) read it before any process starts, ``models/`` builds a
+megatron-core ``TransformerConfig`` from it, the HF⇄mcore spec uses it for tensor
+shapes and layouts, the weight converter (``weights/``) for its plan, and
+checkpoints store it as JSON. A preset's ``model_arch`` section and a checkpoint's
+``config.json`` are parsed by the same ``from_hf_config``.
 
 Supported families (causal LM, plus the token/sequence-classification variants
 used for critics and reward models): Llama 2/3/3.x, Mistral, Qwen2/Qwen2.5,
@@ -58,6 +60,15 @@ _MCORE_LLAMA3_DEFAULTS = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+
+
+_REQUIRED_KEYS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -194,9 +205,11 @@ class ModelArch:
         head_of_config = _HEAD_SUFFIXES[architecture[len(prefix) :]]
         _reject_unsupported_options(config, model_type, source)
 
+        missing = [k for k in _REQUIRED_KEYS if config.get(k) is None]
+        if missing:
+            raise UnsupportedModelError(f"{source}: required key(s) {', '.join(map(repr, missing))} missing")
+
         def need(key: str) -> Any:
-            if config.get(key) is None:
-                raise UnsupportedModelError(f"{source}: required key {key!r} is missing")
             return config[key]
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
