@@ -9,7 +9,7 @@ Adding a subcommand (e.g. ``convert`` or ``launch``): write ``def main(argv: lis
 in your module (parse ``argv`` with argparse, return the exit status) and add one line to
 ``SUBCOMMANDS``::
 
-    "convert": Subcommand("rlhf_megatron.tools_cli.convert:main", "HF <-> Megatron checkpoints"),
+    "convert": Subcommand("rlhf_megatron.convert:main", "HF <-> Megatron checkpoints"),
 
 or call ``register_subcommand`` from code that runs before ``main``.
 
@@ -51,7 +51,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "rlhf_megatron.launch:main", "start Ray and the driver on Slurm, Kubernetes or this machine"
     ),
     "convert": Subcommand(
-        "rlhf_megatron.tools_cli.convert:main", "HF <-> megatron-core checkpoints (hf-to-mcore, mcore-to-hf)"
+        "rlhf_megatron.convert:main", "HF <-> megatron-core checkpoints (hf-to-mcore, mcore-to-hf)"
     ),
 }
 

@@ -340,6 +340,7 @@ def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int 
     import torch
 
     from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import RolloutConfig
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.loader import load_hf_weights
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel
@@ -352,7 +353,7 @@ def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int 
     )
     load_hf_weights(chunks, hf_dir, arch)
     engine = VLLMEngine(
-        hf_dir, {"dtype": dtype, "max_num_seqs": 1}, max_model_len=max_model_len, tensor_parallel_size=tp
+        hf_dir, RolloutConfig(dtype=dtype, max_num_seqs=1), max_model_len=max_model_len, tensor_parallel_size=tp
     )
     return arch, chunks, info, ParallelGroups.current(), engine
 

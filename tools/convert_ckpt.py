@@ -3,7 +3,7 @@
     python tools/convert_ckpt.py hf-to-mcore --hf HF_DIR --out CKPT_DIR --tp 2 --pp 2 [--vpp 2]
     python tools/convert_ckpt.py mcore-to-hf --ckpt CKPT_DIR --out HF_DIR [--dtype bf16] [--hf-config HF_DIR]
 
-The implementation is ``rlhf_megatron.tools_cli.convert`` (also ``rlhf-megatron convert``);
+The implementation is ``rlhf_megatron.convert`` (also ``rlhf-megatron convert``);
 ``--help`` on each subcommand lists every option.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from rlhf_megatron.tools_cli.convert import main
+from rlhf_megatron.convert import main
 
 __all__ = ["main"]
 

@@ -153,35 +153,27 @@ def _check_state_type(state: Mapping[str, Any], expected: str) -> None:
         )
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    # Mappings (dict, OmegaConf DictConfig) and attribute objects (dataclasses) both work.
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def get_kl_controller(kl_ctrl_cfg: Any) -> FixedKLController | AdaptiveKLController:
-    """Build the controller described by ``algorithm.kl_ctrl``.
-
-    Args:
-        kl_ctrl_cfg: dict or object with ``type`` ('fixed' | 'adaptive'), ``kl_coef``, and for
-            'adaptive' also ``target_kl`` and ``horizon``.
-    """
-    ctrl_type = _cfg_get(kl_ctrl_cfg, "type", "fixed")
-    kl_coef = _cfg_get(kl_ctrl_cfg, "kl_coef")
+def get_kl_controller(
+    type: str = "fixed",
+    kl_coef: float | None = None,
+    target_kl: float | None = None,
+    horizon: int | None = None,
+) -> FixedKLController | AdaptiveKLController:
+    """The controller described by ``algorithm.kl_ctrl``: ``fixed`` keeps ``kl_coef``; ``adaptive``
+    (Ziegler et al., 2019) starts at ``kl_coef`` and steers the KL towards ``target_kl`` over
+    ``horizon`` samples."""
     if kl_coef is None:
         raise ValueError("algorithm.kl_ctrl.kl_coef is required (the initial KL coefficient, e.g. 0.001)")
-    if ctrl_type == "fixed":
+    if type == "fixed":
         return FixedKLController(kl_coef=kl_coef)
-    if ctrl_type == "adaptive":
-        target_kl, horizon = _cfg_get(kl_ctrl_cfg, "target_kl"), _cfg_get(kl_ctrl_cfg, "horizon")
+    if type == "adaptive":
         if target_kl is None or horizon is None or horizon <= 0 or target_kl <= 0:
             raise ValueError(
                 f"algorithm.kl_ctrl.type=adaptive needs target_kl > 0 and horizon > 0, got "
                 f"target_kl={target_kl}, horizon={horizon}"
             )
         return AdaptiveKLController(init_kl_coef=kl_coef, target_kl=target_kl, horizon=horizon)
-    raise ValueError(f"algorithm.kl_ctrl.type must be 'fixed' or 'adaptive', got {ctrl_type!r}")
+    raise ValueError(f"algorithm.kl_ctrl.type must be 'fixed' or 'adaptive', got {type!r}")
 
 
 def apply_kl_penalty(

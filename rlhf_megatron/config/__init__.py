@@ -36,8 +36,8 @@ from rlhf_megatron.config.schema import (
     RewardModelModelConfig,
     RolloutConfig,
     RunConfig,
-    SamplingConfig,
     TrainerConfig,
+    ValSamplingConfig,
 )
 from rlhf_megatron.config.validate import ArchUnknownWarning, validate_config
 
@@ -66,7 +66,7 @@ __all__ = [
     "RewardModelModelConfig",
     "RolloutConfig",
     "RunConfig",
-    "SamplingConfig",
+    "ValSamplingConfig",
     "TrainerConfig",
     "field_docs",
     "load_config",

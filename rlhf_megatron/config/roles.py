@@ -1,8 +1,8 @@
 """Which model roles a config runs, and the sizes that follow from the cluster shape.
 
-Role: shared vocabulary of ``validate.py``, ``normalize.py`` and ``planner.py``: the config
-section of each role, whether it is active, the world size, each role's data-parallel
-size, and the micro-batch key pairs (verl's global ``*micro_batch_size`` and
+Role: shared vocabulary of ``validate.py``, ``normalize.py``, ``planner.py`` and the trainer:
+the config section of each role, which roles a run builds (``RolePlan``, decided once from
+the estimator registry), the world size, each role's data-parallel size, and the micro-batch key pairs (verl's global ``*micro_batch_size`` and
 ``*micro_batch_size_per_gpu``) with the rule that turns one into the other.
 
 Boundaries: reads a resolved config; never changes it.
@@ -20,13 +20,14 @@ __all__ = [
     "MICRO_BATCH_SPECS",
     "ROLE_SECTIONS",
     "MicroBatchSpec",
+    "RolePlan",
     "active_roles",
-    "critic_used",
+    "estimator_needs_critic",
     "data_parallel_size",
     "megatron_section",
     "model_parallel_size",
     "per_gpu_micro_batch",
-    "ref_used",
+    "role_plan",
     "world_size",
 ]
 
@@ -39,26 +40,52 @@ ROLE_SECTIONS: dict[str, str] = {
 }
 
 
-def critic_used(cfg: DictConfig) -> bool:
-    """The critic exists only for estimators that consume values; of ours, gae."""
-    return cfg.algorithm.adv_estimator == "gae"
+@dataclass(frozen=True)
+class RolePlan:
+    """Which models a run builds besides the actor: decided once, by ``role_plan``, and passed
+    to validation, the planner, the worker set-up and the trainer so they always agree."""
+
+    critic: bool
+    """A value model: the advantage estimator consumes values (of the built-ins, gae)."""
+    ref: bool
+    """A frozen reference policy: a KL term in the loss or in the reward needs its log-probs."""
+    reward_model: bool
+    """A model-based reward (``reward_model.enable``)."""
+
+    @property
+    def roles(self) -> list[str]:
+        """The model roles, in the order they are described."""
+        flags = {"ref": self.ref, "critic": self.critic, "reward_model": self.reward_model}
+        return ["actor", *(role for role, on in flags.items() if on)]
 
 
-def ref_used(cfg: DictConfig) -> bool:
-    """The reference policy is built when a KL term (in the loss or the reward) needs it."""
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+def estimator_needs_critic(name: str) -> bool:
+    """Whether the registered advantage estimator ``name`` consumes critic values.
+
+    Asks the algorithms registry (a user-registered estimator that takes ``values`` gets a
+    critic too); falls back to the built-in answer (gae) when the registry cannot be
+    imported or does not know the name (validation reports unknown names).
+    """
+    try:
+        from rlhf_megatron.algorithms import estimator_needs_critic as needs_critic
+
+        return needs_critic(name)
+    except (ImportError, KeyError, ValueError):
+        return name == "gae"
+
+
+def role_plan(cfg: DictConfig) -> RolePlan:
+    """The ``RolePlan`` of a resolved config."""
+    return RolePlan(
+        critic=estimator_needs_critic(cfg.algorithm.adv_estimator),
+        ref=bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward),
+        reward_model=bool(cfg.reward_model.enable),
+    )
 
 
 def active_roles(cfg: DictConfig) -> list[str]:
     """Roles this run builds, in the order they are described."""
-    roles = ["actor"]
-    if ref_used(cfg):
-        roles.append("ref")
-    if critic_used(cfg):
-        roles.append("critic")
-    if cfg.reward_model.enable:
-        roles.append("reward_model")
-    return roles
+    return role_plan(cfg).roles
 
 
 def world_size(cfg: DictConfig, override: int | None = None) -> int:

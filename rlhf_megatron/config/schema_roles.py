@@ -47,6 +47,11 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow code from the model directory when loading the HF config and tokenizer."""
 
+    freeze_vision_tower: bool = False
+    """Vision-language models: keep the vision tower (patch embedding, blocks, merger) fixed:
+    it gets no gradients and no optimizer state (EasyR1's
+    ``worker.actor.model.freeze_vision_tower``). Text-only models ignore it."""
+
 
 @dataclass
 class CriticModelConfig(ModelConfig):
@@ -309,7 +314,7 @@ class RefConfig:
 
 
 @dataclass
-class SamplingConfig:
+class ValSamplingConfig:
     """``actor_rollout_ref.rollout.val_kwargs``: sampling during validation."""
 
     temperature: float = 0.0
@@ -422,7 +427,11 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the engine constructor (e.g. ``swap_space``); free-form."""
 
-    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    limit_images: int = 0
+    """Most images one prompt may carry (EasyR1's ``worker.rollout.limit_images``); vLLM's
+    ``limit_mm_per_prompt`` for images. A dataset row with more is an error. 0: no limit."""
+
+    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
 
 

@@ -29,7 +29,6 @@ from rlhf_megatron.config.roles import (
     MICRO_BATCH_SPECS,
     ROLE_SECTIONS,
     active_roles,
-    critic_used,
     data_parallel_size,
     megatron_section,
     per_gpu_micro_batch,
@@ -373,7 +372,7 @@ def check_world_divisible(ctx: ValidationContext) -> list[str]:
 
 def _trained_roles(ctx: ValidationContext) -> list[tuple[str, str]]:
     roles = [("actor", ACTOR)]
-    if critic_used(ctx.cfg):
+    if "critic" in ctx.roles:
         roles.append(("critic", "critic"))
     return roles
 
@@ -537,6 +536,54 @@ def check_recompute(ctx: ValidationContext) -> list[str]:
     return out
 
 
+def check_vision_tp_divides_heads(ctx: ValidationContext) -> list[str]:
+    """A vision-language model's vision heads split evenly over each role's TP and vLLM's TP."""
+    keys = [(role, f"{ROLE_SECTIONS[role]}.megatron.tensor_model_parallel_size") for role in ctx.roles]
+    keys.append(("actor", f"{ROLLOUT}.tensor_model_parallel_size"))
+    out = []
+    for role, key in keys:
+        arch, source = ctx.archs[role]
+        tp = ctx.get(key)
+        if arch is None or arch.vision is None or arch.vision.num_heads % tp == 0:
+            continue
+        heads = arch.vision.num_heads
+        out.append(
+            f"{key}={tp} must divide the vision tower's vision_config.num_heads={heads} ({source}); "
+            f"use one of: {_divisors_of_both(heads, heads)}"
+        )
+    return out
+
+
+def check_vision_language_options(ctx: ValidationContext) -> list[str]:
+    """What a vision-language actor cannot do (context parallelism, sharded weight sync), and an
+    image bound that fits the prompt."""
+    arch, source = ctx.archs["actor"]
+    if arch is None or arch.vision is None:
+        return []
+    out = []
+    for role in ctx.roles:
+        cp = megatron_section(ctx.cfg, role).context_parallel_size
+        if cp > 1 and ctx.archs[role][0] is not None and ctx.archs[role][0].vision is not None:
+            out.append(
+                f"{ROLE_SECTIONS[role]}.megatron.context_parallel_size={cp}: context parallelism is not supported "
+                f"for the vision-language {arch.architecture} ({source}); set it to 1"
+            )
+    if ctx.get(f"{ROLLOUT}.load_format") == "sharded":
+        out.append(
+            f"{ROLLOUT}.load_format=sharded is not supported for the vision-language {arch.architecture} "
+            f"({source}); use hf"
+        )
+    max_pixels, prompt = ctx.get("data.max_pixels"), ctx.get("data.max_prompt_length")
+    per_token = (arch.vision.patch_size * arch.vision.spatial_merge_size) ** 2
+    if max_pixels is not None and max_pixels // per_token > prompt:
+        out.append(
+            f"data.max_pixels={max_pixels} lets one image take {max_pixels // per_token} prompt tokens "
+            f"({per_token} pixels each), more than data.max_prompt_length={prompt}; lower max_pixels "
+            f"(e.g. {prompt // 2 * per_token}) or raise max_prompt_length"
+        )
+    return out
+
+
 RULES: tuple[Rule, ...] = (
     check_strategy,
     check_choices,
@@ -562,6 +609,8 @@ RULES: tuple[Rule, ...] = (
     check_rollout_tp,
     check_sequence_fits_positions,
     check_recompute,
+    check_vision_tp_divides_heads,
+    check_vision_language_options,
 )
 
 # Rules whose arithmetic divides by or compares sizes; they run only when the sizes

@@ -19,7 +19,9 @@ tensor                      shape         meaning
 ``responses``               [B, R]        right-padded response token ids
 ``input_ids``               [B, P+R]      prompts followed by responses
 ``attention_mask``          [B, P+R]      1 on real tokens (prompt and response), 0 on padding
-``position_ids``            [B, P+R]      ``cumsum(attention_mask) - 1``, clipped at 0
+``position_ids``            [B, P+R]      ``cumsum(attention_mask) - 1``, clipped at 0;
+                            [B, 3, P+R]   for vision-language models: M-RoPE (time, height,
+                                          width) positions, see ``rope_index``
 ``response_mask``           [B, R]        1 on response tokens that take part in the loss
 ``old_log_probs``           [B, R]        log-probs of the rollout (behaviour) policy
 ``ref_log_probs``           [B, R]        log-probs of the reference policy
@@ -32,9 +34,16 @@ tensor                      shape         meaning
 ==========================  ============  ===================================================
 
 Non-tensor columns: ``data_source`` (str, picks the reward function), ``reward_model``
-(dict with ``ground_truth``), ``extra_info`` (dict), ``index`` (the prompt's uid; GRPO groups
-responses by it), ``raw_prompt_ids`` (list[int], unpadded prompt ids for the rollout engine),
-``raw_prompt`` (chat messages, optional).
+(dict with ``ground_truth``), ``extra_info`` (dict), ``index`` (the dataset's id of the prompt,
+``extra_info.index``), ``uid`` (set by the trainer, unique per prompt and step: the GRPO-family
+estimators group a prompt's responses by it), ``raw_prompt_ids`` (list[int], unpadded prompt
+ids for the rollout engine; one ``<|image_pad|>`` per image), ``raw_prompt`` (chat messages,
+optional). Vision-language prompts add two per-row columns: ``multi_modal_data``
+(``{"image": [PIL.Image, ...]}``, for vLLM) and ``multi_modal_inputs`` (``{"pixel_values":
+[num_patches, patch_dim], "image_grid_thw": [num_images, 3]}``, for the model). Their tensors'
+first dimension is patches, not rows, so they stay one dict per row: indexing, splitting and
+balancing a batch by row keep each row's patches with it. Image tokens are already counted in
+``input_ids``/``attention_mask`` (each image's pad is expanded to its merged patch count).
 
 Boundaries: pure data structure. It knows nothing about ranks, Ray or Megatron; splitting a
 batch over data-parallel ranks is ``chunk``/``split`` called by the scheduling layer. Pickle is

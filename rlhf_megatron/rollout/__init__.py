@@ -7,21 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_megatron.rollout.base import RolloutEngine, SamplingConfig, assemble_rollout
+from rlhf_megatron.config.schema import RolloutConfig
+from rlhf_megatron.rollout.base import RolloutEngine, RolloutSampling, assemble_rollout
 
 ROLLOUT_NAMES = ("vllm", "hf")
 
-__all__ = ["ROLLOUT_NAMES", "RolloutEngine", "SamplingConfig", "assemble_rollout", "build_rollout_engine"]
+__all__ = ["ROLLOUT_NAMES", "RolloutEngine", "RolloutSampling", "assemble_rollout", "build_rollout_engine"]
 
 
-def build_rollout_engine(name: str, model_path: str, rollout_cfg: Any, **kwargs: Any) -> RolloutEngine:
+def build_rollout_engine(name: str, model_path: str, rollout: RolloutConfig, **kwargs: Any) -> RolloutEngine:
     """``vllm`` or ``hf``; keyword arguments go to the engine's constructor."""
     if name == "vllm":
         from rlhf_megatron.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, rollout_cfg, **kwargs)
+        return VLLMEngine(model_path, rollout, **kwargs)
     if name == "hf":
         from rlhf_megatron.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_path, rollout_cfg, **kwargs)
+        return HFEngine(model_path, rollout, **kwargs)
     raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not one of {ROLLOUT_NAMES}")

@@ -24,25 +24,19 @@ through ``update_weights(iterator of (hf_name, tensor))`` from ``weights/``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+from rlhf_megatron.data.rope_index import extend_positions
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
+class RolloutSampling:
     """Sampling settings for one ``generate_sequences`` call."""
 
     n: int = 1
@@ -79,35 +73,30 @@ class SamplingConfig:
             raise ValueError("actor_rollout_ref.rollout sampling settings: " + "; ".join(problems))
 
     @classmethod
-    def from_rollout_config(
-        cls, rollout_cfg: Any, validate: bool = False, greedy: bool = False, seed: int | None = None
-    ) -> SamplingConfig:
+    def from_config(
+        cls, rollout: RolloutConfig, validate: bool = False, greedy: bool = False, seed: int | None = None
+    ) -> RolloutSampling:
         """Training sampling from ``actor_rollout_ref.rollout``; ``validate`` applies ``val_kwargs``,
         ``greedy`` forces one greedy sample per prompt (ReMax's baseline)."""
-        base = dict(
-            n=int(_get(rollout_cfg, "n", 1)),
-            temperature=float(_get(rollout_cfg, "temperature", 1.0)),
-            top_k=int(_get(rollout_cfg, "top_k", -1)),
-            top_p=float(_get(rollout_cfg, "top_p", 1.0)),
-            do_sample=bool(_get(rollout_cfg, "do_sample", True)),
-            ignore_eos=bool(_get(rollout_cfg, "ignore_eos", False)),
-            response_length=int(_get(rollout_cfg, "response_length", 512)),
+        source = rollout.val_kwargs if validate else rollout
+        common = dict(ignore_eos=rollout.ignore_eos, response_length=rollout.response_length, seed=seed)
+        if greedy or not source.do_sample or source.temperature == 0.0:
+            # Greedy decoding has one answer per prompt, whatever n says.
+            return cls(n=1, temperature=0.0, do_sample=False, **common)
+        return cls(
+            n=source.n,
+            temperature=source.temperature,
+            top_k=source.top_k,
+            top_p=source.top_p,
+            do_sample=True,
+            **common,
         )
-        if validate:
-            val = _get(rollout_cfg, "val_kwargs", None) or {}
-            for key in ("n", "temperature", "top_k", "top_p", "do_sample"):
-                value = _get(val, key, None)
-                if value is not None:
-                    base[key] = type(base[key])(value)
-        if greedy or not base["do_sample"] or base["temperature"] == 0.0:
-            base.update(do_sample=False, temperature=0.0, n=1)
-        return cls(**base, seed=seed)
 
 
 class RolloutEngine(Protocol):
     """The interface every rollout backend implements (vLLM, transformers)."""
 
-    def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch: ...
+    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch: ...
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -116,12 +105,21 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
 
 
-def prompt_token_lists(prompts: Batch) -> list[list[int]]:
-    """Unpadded prompt ids per row: ``raw_prompt_ids`` if present, else ``input_ids`` under the mask."""
-    if "raw_prompt_ids" in prompts.non_tensor_keys:
+def prompt_token_lists(prompts: Batch, expanded: bool = False) -> list[list[int]]:
+    """Unpadded prompt ids per row: ``raw_prompt_ids`` if present (unless ``expanded``), else
+    ``input_ids`` under the mask. For image prompts the two differ: ``raw_prompt_ids`` hold one
+    image placeholder per image (what vLLM expands itself), ``input_ids`` one per image token."""
+    if "raw_prompt_ids" in prompts.non_tensor_keys and not expanded:
         return [list(map(int, ids)) for ids in prompts["raw_prompt_ids"]]
     ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
     return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+def prompt_images(prompts: Batch) -> list[list] | None:
+    """Each row's images (``multi_modal_data["image"]``, PIL), or None for a text-only batch."""
+    if "multi_modal_data" not in prompts.non_tensor_keys:
+        return None
+    return [list((data or {}).get("image") or []) for data in prompts["multi_modal_data"]]
 
 
 def assemble_rollout(
@@ -154,18 +152,16 @@ def assemble_rollout(
     expanded = prompts.repeat(n, interleave=True)
     prompt_ids = expanded["input_ids"]
     prompt_mask = expanded["attention_mask"].long()
-    prompt_pos = expanded["position_ids"]
-    # Responses continue counting from the last prompt position, padding included,
-    # as transformers' generate does, so every engine and the trainer agree.
-    last = prompt_pos[:, -1:]
-    resp_pos = last + torch.arange(1, response_length + 1, dtype=prompt_pos.dtype).unsqueeze(0)
+    # Responses continue counting from the last prompt position, as transformers' generate
+    # does (for M-RoPE's [B, 3, P] positions, in all three streams), so engines and trainer agree.
+    positions = extend_positions(expanded["position_ids"], response_length)
     tensors = {
         "prompts": prompt_ids,
         "responses": resp,
         "response_mask": resp_mask,
         "input_ids": torch.cat([prompt_ids, resp], dim=1),
         "attention_mask": torch.cat([prompt_mask, resp_mask], dim=1),
-        "position_ids": torch.cat([prompt_pos, resp_pos], dim=1),
+        "position_ids": positions,
         "rollout_log_probs": resp_lp,
     }
     non_tensors = {k: expanded.non_tensors[k] for k in expanded.non_tensor_keys}

@@ -4,6 +4,8 @@ The fallback for models or platforms vLLM can't serve, and a second opinion
 in tests. One process holds the whole model; generation is
 ``model.generate`` on left-padded prompts, and the log-prob of each sampled
 token comes from the raw (pre-temperature) logits, as vLLM reports it.
+Vision-language checkpoints (a ``vision_config`` in config.json) load as
+image-text-to-text models and take each row's ``multi_modal_inputs``.
 """
 
 from __future__ import annotations
@@ -13,35 +15,52 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.rollout.base import SamplingConfig, _get, assemble_rollout, prompt_token_lists
+from rlhf_megatron.data.multimodal import concat_vision_inputs
+from rlhf_megatron.rollout.base import RolloutSampling, assemble_rollout, prompt_token_lists
 
 
 class HFEngine:
     """transformers ``generate`` behind the ``RolloutEngine`` interface."""
 
-    def __init__(self, model_path: str, rollout_cfg: Any = None, *, seed: int = 0, pad_token_id: int = 0,
-                 eos_token_id: int | list[int] | None = None, **_: Any):  # fmt: skip
-        from transformers import AutoModelForCausalLM
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutConfig,
+        *,
+        seed: int = 0,
+        pad_token_id: int = 0,
+        eos_token_id: int | list[int] | None = None,
+        trust_remote_code: bool = False,
+        **_: Any,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        dtype = str(_get(rollout_cfg, "dtype", "float32"))
-        torch_dtype = (
-            torch.float32 if not torch.cuda.is_available() else getattr(torch, dtype, torch.bfloat16)
-        )
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+        # fp32 on CPU, where bf16 matmuls are slow and the trainer computes in fp32 anyway.
+        dtype = getattr(torch, rollout.dtype) if torch.cuda.is_available() else torch.float32
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.multimodal = getattr(config, "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if self.multimodal else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
         if torch.cuda.is_available():
             self.model.cuda()
         self.device = next(self.model.parameters()).device
         self.pad_token_id = pad_token_id
-        gen_eos = self.model.generation_config.eos_token_id
-        self.eos_token_ids = set(
-            [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []))
-        )  # fmt: skip
+        if eos_token_id is None:
+            eos_token_id = self.model.generation_config.eos_token_id
+        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
     @torch.no_grad()
-    def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
-        token_lists = prompt_token_lists(prompts)
+    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch:
+        # transformers takes image prompts with every image token spelled out, plus the pixels.
+        vision = {}
+        if "multi_modal_inputs" in prompts.non_tensor_keys:
+            vision = {
+                k: v.to(self.device) for k, v in concat_vision_inputs(prompts["multi_modal_inputs"]).items()
+            }
+        token_lists = prompt_token_lists(prompts, expanded=bool(vision))
         width = max(len(ids) for ids in token_lists)
         ids = torch.full((len(token_lists), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -69,6 +88,7 @@ class HFEngine:
                 eos_token_id=sorted(self.eos_token_ids) or None,
                 return_dict_in_generate=True,
                 output_logits=True,
+                **vision,
             )
         finally:
             torch.set_rng_state(state)

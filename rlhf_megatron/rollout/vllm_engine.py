@@ -26,22 +26,21 @@ fraction of device memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import zlib
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.rollout.base import SamplingConfig, _get, assemble_rollout, prompt_token_lists
+from rlhf_megatron.rollout.base import RolloutSampling, assemble_rollout, prompt_images, prompt_token_lists
+from rlhf_megatron.weights.plan import LOAD_FORMATS
 
 logger = logging.getLogger(__name__)
-
-LOAD_FORMATS = ("hf", "sharded")
 
 
 def _patch_vllm_cpu_shm_names() -> None:
@@ -124,11 +123,8 @@ def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, 
     vLLM on CPU otherwise claims several GiB per engine, which several
     colocated engines on one small machine cannot afford.
     """
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes
+    arch = ModelArch.from_hf_dir(model_path)
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * dtype_bytes
     return max(64 * 2**20, int(per_token * max_model_len * max_num_seqs * 1.25))
 
 
@@ -138,75 +134,74 @@ class VLLMEngine:
     def __init__(
         self,
         model_path: str,
-        rollout_cfg: Any,
+        rollout: RolloutConfig,
         *,
         max_model_len: int,
         seed: int = 0,
         pad_token_id: int = 0,
         tensor_parallel_size: int | None = None,
+        trust_remote_code: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        self.load_format = str(_get(rollout_cfg, "load_format", "hf"))
+        self.on_gpu = torch.cuda.is_available()
+        self.load_format = rollout.load_format
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"actor_rollout_ref.rollout.load_format={self.load_format!r} is not one of {LOAD_FORMATS}"
             )
-        if self.load_format == "sharded" and not torch.cuda.is_available():
+        if self.load_format == "sharded" and not self.on_gpu:
             raise ValueError(
                 "actor_rollout_ref.rollout.load_format=sharded copies weights into vLLM's GPU parameters; "
                 "vLLM on CPU repacks its weights after loading, so use load_format=hf on CPU"
             )
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len
-        tp = int(tensor_parallel_size or _get(rollout_cfg, "tensor_model_parallel_size", 1))
-        dtype = str(_get(rollout_cfg, "dtype", "bfloat16"))
-        if not torch.cuda.is_available() and dtype in ("bfloat16", "float16", "half"):
+        dtype = rollout.dtype
+        if not self.on_gpu and dtype in ("bfloat16", "float16"):
             # The tiny CPU models and the Megatron side run fp32; matching dtypes keeps
             # the rollout log-probs comparable with the trainer's.
             dtype = "float32"
-        max_num_seqs = int(_get(rollout_cfg, "max_num_seqs", 256) or 256)
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=tensor_parallel_size or rollout.tensor_model_parallel_size,
             max_model_len=max_model_len,
             seed=seed,
-            enforce_eager=bool(_get(rollout_cfg, "enforce_eager", True)),
-            max_num_seqs=max_num_seqs,
-            disable_log_stats=True,
-            trust_remote_code=bool(_get(rollout_cfg, "trust_remote_code", False)),
+            enforce_eager=rollout.enforce_eager,
+            max_num_seqs=rollout.max_num_seqs,
+            disable_log_stats=rollout.disable_log_stats,
+            trust_remote_code=trust_remote_code,
         )
-        batched = _get(rollout_cfg, "max_num_batched_tokens", None)
-        if batched:
-            kwargs["max_num_batched_tokens"] = int(batched)
         # A partially prefilled request rewinds its sampling generator's offset, which CPU
         # generators do not have ("CPU Generator does not use offset"); whole-prompt prefill
         # keeps per-request seeds usable on CPU.
-        chunked = bool(_get(rollout_cfg, "enable_chunked_prefill", False)) and torch.cuda.is_available()
+        chunked = rollout.enable_chunked_prefill and self.on_gpu
         kwargs["enable_chunked_prefill"] = chunked
-        if not chunked:
-            kwargs["max_num_batched_tokens"] = max(int(batched or 0), max_model_len)
+        kwargs["max_num_batched_tokens"] = (
+            rollout.max_num_batched_tokens if chunked else max(rollout.max_num_batched_tokens, max_model_len)
+        )
         if torch.distributed.is_initialized():
             kwargs["distributed_executor_backend"] = "external_launcher"
-        if not torch.cuda.is_available():
-            _patch_vllm_cpu_shm_names()
-        self.on_gpu = torch.cuda.is_available()
         if self.on_gpu:
-            kwargs["gpu_memory_utilization"] = float(_get(rollout_cfg, "gpu_memory_utilization", 0.5))
-            kwargs["enable_sleep_mode"] = bool(_get(rollout_cfg, "free_cache_engine", True))
+            kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = rollout.enable_sleep_mode
         else:
+            _patch_vllm_cpu_shm_names()
             dtype_bytes = 4 if dtype == "float32" else 2
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
-                model_path, max_model_len, max_num_seqs, dtype_bytes
+                model_path, max_model_len, rollout.max_num_seqs, dtype_bytes
             )
+        if rollout.limit_images > 0:  # the most images one prompt may carry (vLLM sizes its buffers by it)
+            kwargs["limit_mm_per_prompt"] = {"image": rollout.limit_images}
+        kwargs.update(rollout.engine_kwargs)
         self.llm = LLM(**kwargs)
         self.sleeping = False
         self.unlinked_shm = _unlink_vllm_shm_segments() if torch.distributed.is_initialized() else []
 
     # ------------------------------------------------------------------ generation
-    def generate_sequences(self, prompts: Batch, sampling: SamplingConfig) -> Batch:
+    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch:
         """Sample ``sampling.n`` responses per prompt; see ``rollout/base.py`` for the layout."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -214,10 +209,13 @@ class VLLMEngine:
         if self.sleeping:
             raise RuntimeError("VLLMEngine.generate_sequences called while asleep; call wake_up() first")
         token_lists = prompt_token_lists(prompts)
-        for row, ids in enumerate(token_lists):
-            if len(ids) + sampling.response_length > self.max_model_len:
+        images = prompt_images(prompts)
+        # With images, the model sees every image token, not the one placeholder vLLM is given.
+        lengths = prompts["attention_mask"].sum(-1).tolist() if images else [len(ids) for ids in token_lists]
+        for row, length in enumerate(lengths):
+            if length + sampling.response_length > self.max_model_len:
                 raise ValueError(
-                    f"prompt row {row} has {len(ids)} tokens; with response_length={sampling.response_length} "
+                    f"prompt row {row} has {length} tokens; with response_length={sampling.response_length} "
                     f"it exceeds the engine's max_model_len={self.max_model_len} "
                     "(data.max_prompt_length + data.max_response_length)"
                 )
@@ -236,6 +234,9 @@ class VLLMEngine:
             )
 
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
+        for request, row_images in zip(requests, images or []):
+            if row_images:
+                request["multi_modal_data"] = {"image": row_images}
         outputs = self.llm.generate(requests, [params(i) for i in range(len(requests))], use_tqdm=False)
         responses, log_probs = [], []
         for out in outputs:

@@ -188,9 +188,11 @@ class WorkerGroup:
                 late = sorted(index[r] for r in pending)
                 self.kill()
                 raise WorkerError(
-                    self.role, None, ", ".join(self._node_name(r) for r in late[:4]),
+                    self.role,
+                    None,
+                    ", ".join(self._node_name(r) for r in late[:4]),
                     f"{what} did not finish within {timeout_s:.0f} s on ranks {late}; the group was stopped",
-                )  # fmt: skip
+                )
             done, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
             for ref in done:
                 rank = index[ref]

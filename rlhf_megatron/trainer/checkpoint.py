@@ -83,8 +83,10 @@ class CheckpointManager:
         """Finish a save: trainer state, rename into place, move the marker, prune."""
         try:
             _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
-            manifest = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                        for p in _files(tmp)}  # fmt: skip
+            manifest = {
+                p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                for p in _files(tmp)
+            }
             _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
         except OSError as e:  # ENOSPC and friends: say where, keep the previous checkpoint
             raise CheckpointError(

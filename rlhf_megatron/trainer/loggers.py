@@ -33,8 +33,15 @@ def _jsonable(value: Any) -> Any:
 
 
 class Tracker:
-    def __init__(self, backends, run_dir: str | Path, total_steps: int, project: str, experiment: str,
-                 config: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        backends,
+        run_dir: str | Path,
+        total_steps: int,
+        project: str,
+        experiment: str,
+        config: dict | None = None,
+    ):
         unknown = sorted(set(backends) - set(BACKENDS))
         if unknown:
             raise ValueError(f"trainer.logger: unknown logger(s) {unknown}; choose from {list(BACKENDS)}")

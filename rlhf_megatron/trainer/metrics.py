@@ -29,8 +29,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {}
     values = values.float()
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}  # fmt: skip
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
@@ -64,8 +67,14 @@ def peak_flops_per_device() -> float:
     """Dense bf16 peak of this device (known GPUs), or a measured fp32 matmul rate on CPU."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, flops in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12),
-                           ("A10", 125e12), ("V100", 125e12)):  # fmt: skip
+        for key, flops in (
+            ("H200", 989e12),
+            ("H100", 989e12),
+            ("A100", 312e12),
+            ("L40", 181e12),
+            ("A10", 125e12),
+            ("V100", 125e12),
+        ):
             if key in name:
                 return flops
         return 100e12
@@ -79,9 +88,14 @@ def peak_flops_per_device() -> float:
 
 
 def compute_perf_metrics(
-    batch: Batch, step_seconds: float, world_size: int, n_params: int, ppo_epochs: int, use_critic: bool,
+    batch: Batch,
+    step_seconds: float,
+    world_size: int,
+    n_params: int,
+    ppo_epochs: int,
+    use_critic: bool,
     use_ref: bool,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Tokens per second per device, and model FLOPs utilisation.
 
     FLOPs use the 2N-per-token rule for a forward pass (6N with backward):

@@ -11,7 +11,9 @@ Per step (``ARCHITECTURE.md``, "One PPO step"):
 The loop only calls named methods on worker groups with explicit dispatch;
 the maths lives in ``rlhf_megatron.algorithms`` and the Megatron work in the
 workers. Extension points are the reward function and the estimator/loss
-registries, not copies of this loop.
+registries, not copies of this loop. The driver times every phase itself
+(``timing_s/<phase>``): the one timing channel; workers report only what the
+driver cannot see (``sync/*``, the converter's own phases).
 """
 
 from __future__ import annotations
@@ -24,39 +26,51 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_megatron.algorithms import (
-    apply_kl_penalty,
-    compute_advantage,
-    estimator_needs_critic,
-    get_kl_controller,
-)
+from rlhf_megatron.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from rlhf_megatron.config.context import RunContext
+from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.platform.faults import StopTraining, fault_point
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.metrics import compute_data_metrics, compute_perf_metrics, mean_over_ranks, timer
-from rlhf_megatron.workers.faults import kill_self_if_requested
 
 logger = logging.getLogger(__name__)
 
-
-class StopTraining(Exception):
-    """Raised to end a run early and cleanly (e.g. a simulated pre-emption in tests)."""
+__all__ = ["PPOTrainer", "StopTraining"]
 
 
 class PPOTrainer:
-    def __init__(self, cfg, *, actor, critic, reward_model, reward_fn, val_reward_fn, train_loader, val_loader,
-                 tokenizer, tracker, checkpoints: CheckpointManager, total_steps: int, n_params: int):  # fmt: skip
-        self.cfg = cfg
+    """The driver of a run: ``fit()`` loops over ``train_step`` with validation and checkpoints."""
+
+    def __init__(
+        self,
+        run: RunConfig,
+        context: RunContext,
+        *,
+        actor,
+        critic,
+        reward_model,
+        reward_fn,
+        val_reward_fn,
+        train_loader,
+        val_loader,
+        tokenizer,
+        tracker,
+        checkpoints: CheckpointManager,
+        n_params: int,
+    ):
+        """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
+        leaves out); ``n_params`` is the actor's size, for MFU."""
+        self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
+        self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_loader, self.val_loader = train_loader, val_loader
         self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
-        self.total_steps, self.n_params = total_steps, n_params
-        algo = cfg.algorithm
-        self.use_critic = estimator_needs_critic(str(algo.adv_estimator))
-        self.use_kl_loss = bool(cfg.actor_rollout_ref.actor.use_kl_loss)
-        self.use_ref = self.use_kl_loss or bool(algo.use_kl_in_reward)
-        self.kl_ctrl = get_kl_controller(algo.kl_ctrl)
+        self.n_params = n_params
+        ctrl = run.algorithm.kl_ctrl
+        self.kl_ctrl = get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
         self.global_step = 0
         self.history: list[dict[str, Any]] = []
 
@@ -84,7 +98,7 @@ class PPOTrainer:
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
             self.tracker.log(metrics, self.global_step)
             self.history.append({"step": self.global_step, **metrics})
-            self._fault_injection_hook()
+            fault_point("trainer.step_end", step=self.global_step)
         return self.history
 
     def _batches(self) -> Iterator[Batch]:
@@ -92,25 +106,32 @@ class PPOTrainer:
         steps than ``total_epochs`` passes hold, and is honoured (the loader's epoch counter and
         seeded order carry on, so a resumed run still sees the same batches)."""
         if len(self.train_loader) == 0:
-            raise ValueError("the training loader yields no batch: data.train_files has fewer rows than "
-                             "data.train_batch_size")  # fmt: skip
+            raise ValueError(
+                "the training loader yields no batch: data.train_files has fewer rows than "
+                "data.train_batch_size"
+            )
         while True:
             yield from self.train_loader
 
     def train_step(self, batch: Batch, step: int) -> dict[str, Any]:
-        cfg, algo = self.cfg, self.cfg.algorithm
+        cfg, plan = self.cfg, self.plan
         timings: dict[str, float] = {}
         metrics: dict[str, Any] = {
             "training/global_step": step,
             "training/epoch": self.train_loader.state_dict()["epoch"],
         }
         start = time.perf_counter()
+        # The GRPO-family estimators group responses by this per-prompt uid (unique per step).
         batch["uid"] = np.array([f"{step}-{i}" for i in range(len(batch))], dtype=object)
         with timer("gen", timings):
-            batch = self.generate(batch, seed=self._seed(step))
-        if str(algo.adv_estimator) == "remax":
+            batch = self.generate(batch, seed=self.seeds.generation(step))
+        if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max", timings):
                 batch["reward_baselines"] = self._greedy_baseline(batch, step)
+        if "multi_modal_data" in batch.non_tensor_keys:
+            # The decoded images were for the rollout engine; the Megatron passes read
+            # multi_modal_inputs (pixel values), so stop shipping both to every worker.
+            batch.pop(non_tensor_keys=["multi_modal_data"])
         if cfg.trainer.balance_batch:
             batch, balance = balance_batch(batch, self.actor.dp_size())
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
@@ -120,15 +141,15 @@ class PPOTrainer:
         with timer("old_log_prob", timings):
             old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
             batch = batch.union(old.select(["old_log_probs"]))
-        if self.use_ref:
+        if plan.ref:
             with timer("ref", timings):
                 batch = batch.union(self.actor.call("compute_ref_log_prob", batch, dispatch="dp_compute"))
-        if self.use_critic:
+        if plan.critic:
             with timer("values", timings):
                 batch = batch.union(self.critic.call("compute_values", batch, dispatch="dp_compute"))
         with timer("adv", timings):
             batch = self.compute_advantages(batch, metrics)
-        if self.use_critic:
+        if plan.critic:
             with timer("update_critic", timings):
                 metrics.update(
                     mean_over_ranks(self.critic.call("update_critic", batch, step, dispatch="dp_compute"))
@@ -140,39 +161,53 @@ class PPOTrainer:
                 )
             # Push the new weights into the rollout engine now, so the sync is timed as its own phase.
             with timer("sync_weights", timings):
-                sync = self.actor.call("sync_weights", dispatch="rank0")
-            metrics.update({k: v for k, v in sync.items() if k.startswith("sync/")})
+                metrics.update(self.actor.call("sync_weights", dispatch="rank0"))
         seconds = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
-        metrics.update(compute_data_metrics(batch, self.use_critic))
-        metrics.update(compute_perf_metrics(batch, seconds, self.actor.world_size, self.n_params,
-                                            int(cfg.actor_rollout_ref.actor.ppo_epochs), self.use_critic,
-                                            self.use_ref))  # fmt: skip
+        metrics.update(compute_data_metrics(batch, plan.critic))
+        metrics.update(
+            compute_perf_metrics(
+                batch,
+                seconds,
+                self.actor.world_size,
+                self.n_params,
+                cfg.actor_rollout_ref.actor.ppo_epochs,
+                plan.critic,
+                plan.ref,
+            )
+        )
         return metrics
 
     # ------------------------------------------------------------------ pieces of a step
-    def _seed(self, step: int) -> int:
-        return int(self.cfg.trainer.seed) * 1_000_003 + step * 10_007
-
     def generate(self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False) -> Batch:
         """Pad prompts to the rollout DP size, generate, drop the padding's samples."""
         padded, pad = prompts.pad_to_divisor(self.actor.dp_size("rollout"))
-        out = self.actor.call("generate_sequences", padded, validate=validate, greedy=greedy, seed=seed,
-                              dispatch="dp_compute", layout="rollout")  # fmt: skip
+        out = self.actor.call(
+            "generate_sequences",
+            padded,
+            validate=validate,
+            greedy=greedy,
+            seed=seed,
+            dispatch="dp_compute",
+            layout="rollout",
+        )
         n = len(out) // len(padded)
         return out[: len(out) - pad * n] if pad else out
 
     def _greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, broadcast to that prompt's samples."""
-        n = int(self.cfg.actor_rollout_ref.rollout.n)
+        n = self.cfg.actor_rollout_ref.rollout.n
         prompts = batch[torch.arange(0, len(batch), n)]
         width = prompts["prompts"].shape[1]
         only_prompts = Batch(
-            {"input_ids": prompts["prompts"], "attention_mask": prompts["attention_mask"][:, :width],
-             "position_ids": prompts["position_ids"][:, :width]},
+            {
+                "input_ids": prompts["prompts"],
+                "attention_mask": prompts["attention_mask"][:, :width],
+                "position_ids": prompts["position_ids"][..., :width],  # [B, P] or M-RoPE's [B, 3, P]
+            },
             {k: prompts[k] for k in prompts.non_tensor_keys},
-        )  # fmt: skip
-        greedy = self.generate(only_prompts, seed=self._seed(step), greedy=True)
+        )
+        greedy = self.generate(only_prompts, seed=self.seeds.generation(step), greedy=True)
         scores, _ = self.score(greedy, self.reward_fn)
         return scores.sum(-1).repeat_interleave(n)
 
@@ -190,19 +225,29 @@ class PPOTrainer:
         algo = self.cfg.algorithm
         mask = batch["response_mask"].float()
         if algo.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
-                                                   batch["ref_log_probs"], mask, self.kl_ctrl,
-                                                   str(algo.kl_penalty))  # fmt: skip
+            rewards, kl_metrics = apply_kl_penalty(
+                batch["token_level_scores"],
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                mask,
+                self.kl_ctrl,
+                algo.kl_penalty,
+            )
             metrics.update(kl_metrics)
         else:
             rewards = batch["token_level_scores"]
         batch["token_level_rewards"] = rewards
         advantages, returns = compute_advantage(
-            str(algo.adv_estimator), token_level_rewards=rewards, response_mask=mask,
-            values=batch["values"] if self.use_critic else None, index=np.asarray(batch["uid"]),
+            algo.adv_estimator,
+            token_level_rewards=rewards,
+            response_mask=mask,
+            values=batch["values"] if self.plan.critic else None,
+            index=np.asarray(batch["uid"]),
             reward_baselines=batch.get("reward_baselines"),
-            gamma=float(algo.gamma), lam=float(algo.lam), norm_adv_by_std_in_grpo=bool(algo.norm_adv_by_std_in_grpo),
-        )  # fmt: skip
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        )
         batch["advantages"], batch["returns"] = advantages, returns
         return batch
 
@@ -210,21 +255,27 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy/``val_kwargs`` responses to every validation prompt; mean score per data source."""
         scores, sources, samples = [], [], []
+        parts: dict[str, list[tuple[float, int]]] = {}  # EasyR1's score parts: (batch mean, rows)
         start = time.perf_counter()
         for i, prompts in enumerate(self.val_loader):
-            out = self.generate(prompts, seed=self._seed(0) + i, validate=True)
-            token_scores, _ = self.score(out, self.val_reward_fn)
+            out = self.generate(prompts, seed=self.seeds.generation(0) + i, validate=True)
+            token_scores, reward_metrics = self.score(out, self.val_reward_fn)
+            for key in ("accuracy", "format", "overall"):
+                if f"reward/{key}" in reward_metrics:
+                    parts.setdefault(key, []).append((reward_metrics[f"reward/{key}"], len(out)))
             scores.extend(token_scores.sum(-1).tolist())
             sources.extend(str(s) for s in out[self.cfg.data.reward_fn_key])
-            if len(samples) < int(self.cfg.trainer.log_val_generations):
+            if len(samples) < self.cfg.trainer.log_val_generations:
                 samples.extend(self._decode_samples(out, token_scores))
         by_source: dict[str, list[float]] = {}
         for s, src in zip(scores, sources):
             by_source.setdefault(src, []).append(s)
         metrics = {f"val/test_score/{src}": float(np.mean(v)) for src, v in by_source.items()}
         metrics["val/reward_mean"] = float(np.mean(scores)) if scores else float("nan")
+        for key, values in parts.items():  # e.g. val/accuracy: the share of right answers
+            metrics[f"val/{key}"] = sum(m * n for m, n in values) / sum(n for _, n in values)
         metrics["timing_s/validate"] = time.perf_counter() - start
-        self.tracker.log_generations(samples[: int(self.cfg.trainer.log_val_generations)], self.global_step)
+        self.tracker.log_generations(samples[: self.cfg.trainer.log_val_generations], self.global_step)
         return metrics
 
     def _decode_samples(self, out: Batch, token_scores: torch.Tensor) -> list[tuple[str, str, float]]:
@@ -232,8 +283,14 @@ class PPOTrainer:
         for i in range(len(out)):
             prompt = out["prompts"][i][out["attention_mask"][i, : out["prompts"].shape[1]].bool()]
             response = out["responses"][i][out["response_mask"][i].bool()]
-            rows.append((self.tokenizer.decode(prompt, skip_special_tokens=True),
-                         self.tokenizer.decode(response, skip_special_tokens=True), float(token_scores[i].sum())))  # fmt: skip
+            decode = self.tokenizer.decode
+            rows.append(
+                (
+                    decode(prompt, skip_special_tokens=True),
+                    decode(response, skip_special_tokens=True),
+                    float(token_scores[i].sum()),
+                )
+            )
         return rows
 
     # ------------------------------------------------------------------ checkpoints
@@ -242,11 +299,14 @@ class PPOTrainer:
         try:
             # Each role writes its models under <tmp>/<model name> (actor/, critic/).
             self.actor.call("save_checkpoint", str(tmp))
-            if self.use_critic:
+            if self.plan.critic:
                 self.critic.call("save_checkpoint", str(tmp))
-            kill_self_if_requested("save", self.global_step)  # test hook (RLHF_FAULT): die before commit
-            state = {"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
-                     "kl_ctrl": self.kl_ctrl.state_dict()}  # fmt: skip
+            fault_point("trainer.save", step=self.global_step)
+            state = {
+                "global_step": self.global_step,
+                "dataloader": self.train_loader.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+            }
             self.checkpoints.commit(self.global_step, tmp, state)
         except BaseException:
             self.checkpoints.abort(tmp)
@@ -254,24 +314,16 @@ class PPOTrainer:
 
     def resume(self) -> None:
         trainer = self.cfg.trainer
-        path = self.checkpoints.resolve(str(trainer.resume_mode), trainer.resume_from_path)
+        path = self.checkpoints.resolve(trainer.resume_mode, trainer.resume_from_path)
         if path is None:
             return
         # Refuse a corrupt/truncated checkpoint before any worker loads a byte of it.
-        self.checkpoints.verify(path, str(trainer.get("verify_checkpoint", "sha256")))
+        self.checkpoints.verify(path, trainer.verify_checkpoint)
         state = self.checkpoints.read_state(path)
         self.actor.call("load_checkpoint", str(path))
-        if self.use_critic:
+        if self.plan.critic:
             self.critic.call("load_checkpoint", str(path))
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
         logger.info("resumed from %s at step %d", path, self.global_step)
-
-    def _fault_injection_hook(self) -> None:
-        """``RLHF_STOP_AFTER_STEP=k`` ends the run after step ``k`` (tests simulate a pre-emption with it)."""
-        import os
-
-        stop = os.environ.get("RLHF_STOP_AFTER_STEP")
-        if stop and self.global_step >= int(stop):
-            raise StopTraining(f"stopped after step {self.global_step} (RLHF_STOP_AFTER_STEP={stop})")

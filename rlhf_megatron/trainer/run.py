@@ -1,11 +1,14 @@
 """Assemble a run from a resolved config: Ray, data, rewards, worker groups, then the loop.
 
 ``run_training(cfg)`` is what ``rlhf-megatron train`` calls after loading and
-validating the config. Placement: one resource pool of
-``trainer.nnodes × trainer.n_gpus_per_node`` processes; the hybrid actor
-(+rollout +ref) owns one process per slot, and the critic and the reward
-model are colocated in the same bundles (each role gets a share of the
-slot). On CPU a slot is one CPU bundle.
+validating the config. The config turns into the typed ``RunConfig`` here, once;
+every role then receives only its own section plus the run's ``RunContext``
+(``config/context.py``), and the trainer the typed whole.
+
+Placement: one resource pool of ``trainer.nnodes x trainer.n_gpus_per_node``
+processes; the hybrid actor (+rollout +ref) owns one process per slot, and
+the critic and the reward model are colocated in the same bundles (each role
+gets a share of the slot). On CPU a slot is one CPU bundle.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.algorithms import estimator_needs_critic
+from rlhf_megatron.config.context import RunContext
+from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.platform import is_cuda
+from rlhf_megatron.platform.faults import StopTraining, fault_env
 
 logger = logging.getLogger(__name__)
 
@@ -30,87 +35,104 @@ WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
     "PYTHONWARNINGS": "ignore::UserWarning,ignore::DeprecationWarning,ignore::FutureWarning",
-    # Test hook (rlhf_megatron/workers/faults.py): forwarded so worker processes see it too.
-    **({"RLHF_FAULT": os.environ["RLHF_FAULT"]} if os.environ.get("RLHF_FAULT") else {}),
 }
 
 
-def _init_ray(cfg: DictConfig) -> bool:
+def _init_ray(run: RunConfig) -> bool:
     """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray. Returns True if we started it."""
     import ray
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": {**WORKER_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))}}  # fmt: skip
+    repo = str(Path(__file__).resolve().parents[2])
+    python_path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))
+    # The fault-injection test hook, when set, must reach the workers' fault points too.
+    env = {**WORKER_ENV, **fault_env(), "PYTHONPATH": python_path}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
-    world = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
-    ray.init(num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False, runtime_env=runtime_env,
-             log_to_driver=False)  # fmt: skip
+    world = run.trainer.nnodes * run.trainer.n_gpus_per_node
+    ray.init(
+        num_cpus=max(world, os.cpu_count() or 1),
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+    )
     return True
 
 
-def _loaders(cfg: DictConfig, tokenizer):
+def _loaders(run: RunConfig, tokenizer):
     from rlhf_megatron.data import RLHFDataset, StatefulDataLoader, collate_fn
+    from rlhf_megatron.data.multimodal import load_vision_processor
 
-    train = RLHFDataset(list(cfg.data.train_files) if not isinstance(cfg.data.train_files, str)
-                        else cfg.data.train_files, tokenizer, cfg.data)  # fmt: skip
-    val = RLHFDataset(list(cfg.data.val_files) if not isinstance(cfg.data.val_files, str)
-                      else cfg.data.val_files, tokenizer, cfg.data)  # fmt: skip
-    if len(train) < int(cfg.data.train_batch_size):
+    data = run.data
+    # Vision-language models: images go through the model's own processor (None for text models).
+    vision = load_vision_processor(os.path.expanduser(run.actor_rollout_ref.model.path))
+    limit = run.actor_rollout_ref.rollout.limit_images
+    train = RLHFDataset(
+        data.train_files, tokenizer, data, vision, limit_images=limit, files_key="data.train_files"
+    )
+    val = RLHFDataset(data.val_files, tokenizer, data, vision, limit_images=limit, files_key="data.val_files")
+    if len(train) < data.train_batch_size:
         raise ValueError(
             f"data.train_files has {len(train)} usable rows, fewer than data.train_batch_size="
-            f"{cfg.data.train_batch_size}; add data or lower the batch size"
+            f"{data.train_batch_size}; add data or lower the batch size"
         )
-    seed = int(cfg.data.get("seed") or cfg.trainer.seed)
-    train_loader = StatefulDataLoader(train, int(cfg.data.train_batch_size), shuffle=bool(cfg.data.shuffle),
-                                      seed=seed, drop_last=True, collate_fn=collate_fn)  # fmt: skip
-    val_bs = int(cfg.data.val_batch_size or len(val))
-    val_loader = StatefulDataLoader(val, min(val_bs, len(val)), shuffle=False, seed=seed, drop_last=False,
-                                    collate_fn=collate_fn)  # fmt: skip
+    seed = data.seed or run.trainer.seed
+    train_loader = StatefulDataLoader(
+        train, data.train_batch_size, shuffle=data.shuffle, seed=seed, drop_last=True, collate_fn=collate_fn
+    )
+    val_batch = min(data.val_batch_size or len(val), len(val))
+    val_loader = StatefulDataLoader(
+        val, val_batch, shuffle=False, seed=seed, drop_last=False, collate_fn=collate_fn
+    )
     return train_loader, val_loader
 
 
-def _reward_fns(cfg: DictConfig, tokenizer):
+def _reward_fns(run: RunConfig, tokenizer):
     from rlhf_megatron.rewards import RewardManager, resolve_compute_score
 
-    custom = cfg.custom_reward_function
-    score = resolve_compute_score(custom.path, custom.name, custom.get("reward_kwargs"))
-    common = dict(compute_score=score, reward_fn_key=str(cfg.data.reward_fn_key), on_error=str(cfg.reward.on_error),
-                  num_workers=int(cfg.reward.num_workers))  # fmt: skip
-    if int(cfg.reward.num_workers) > 0:
-        common["timeout_s"] = float(cfg.reward.timeout_s)
+    custom = run.custom_reward_function
+    score = resolve_compute_score(custom.path, custom.name, score_fn=run.reward.score_fn)
+    common = dict(
+        compute_score=score,
+        reward_fn_key=run.data.reward_fn_key,
+        on_error=run.reward.on_error,
+        num_workers=run.reward.num_workers,
+    )
+    if run.reward.num_workers > 0:
+        common["timeout_s"] = run.reward.timeout_s
     return RewardManager(tokenizer, num_examine=0, **common), RewardManager(
         tokenizer, num_examine=1, **common
     )
 
 
-def _worker_groups(cfg: DictConfig, total_steps: int, plain_cfg: dict[str, Any]):
+def _worker_groups(run: RunConfig, context: RunContext):
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
-    use_critic = estimator_needs_critic(str(cfg.algorithm.adv_estimator))
-    use_rm = bool(cfg.reward_model.enable)
-    colocated = 1 + int(use_critic) + int(use_rm)
-    pool = ResourcePool("global_pool", [int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
-                        use_gpu=is_cuda() and str(cfg.trainer.device) != "cpu")  # fmt: skip
+    trainer, plan = run.trainer, context.plan
+    pool = ResourcePool(
+        "global_pool",
+        [trainer.n_gpus_per_node] * trainer.nnodes,
+        use_gpu=is_cuda() and trainer.device != "cpu",
+    )
     pool.create()
-    kwargs = {"config": plain_cfg}
-    groups = {"actor": WorkerGroup("actor", pool, ActorRolloutRefWorker, kwargs, colocated_roles=colocated)}
-    if use_critic:
-        groups["critic"] = WorkerGroup("critic", pool, CriticWorker, kwargs, colocated_roles=colocated)
-    if use_rm:
-        groups["reward_model"] = WorkerGroup(
-            "reward_model", pool, RewardModelWorker, kwargs, colocated_roles=colocated
+    # Roles sharing each bundle (the reference lives inside the actor's workers).
+    colocated = 1 + plan.critic + plan.reward_model
+    roles = {"actor": (ActorRolloutRefWorker, run.actor_rollout_ref)}
+    if plan.critic:
+        roles["critic"] = (CriticWorker, run.critic)
+    if plan.reward_model:
+        roles["reward_model"] = (RewardModelWorker, run.reward_model)
+    groups = {
+        role: WorkerGroup(
+            role, pool, cls, {"section": section, "context": context}, colocated_roles=colocated
         )
-    need_ref = bool(cfg.actor_rollout_ref.actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
-    groups["actor"].call("init_model", need_ref=need_ref, total_steps=total_steps)
-    if use_critic:
-        groups["critic"].call("init_model", total_steps=total_steps)
-    if use_rm:
-        groups["reward_model"].call("init_model")
+        for role, (cls, section) in roles.items()
+    }
+    for group in groups.values():
+        group.call("init_model")
     return pool, groups
 
 
@@ -123,31 +145,48 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.trainer.checkpoint import CheckpointManager
     from rlhf_megatron.trainer.loggers import Tracker
-    from rlhf_megatron.trainer.ppo_trainer import PPOTrainer, StopTraining
+    from rlhf_megatron.trainer.ppo_trainer import PPOTrainer
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    model_path = os.path.expanduser(str(cfg.actor_rollout_ref.model.path))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.get("tokenizer_path") or model_path)
-    check_tokenizer_fits_model(tokenizer, ModelArch.from_hf_dir(model_path), model_path)
-    train_loader, val_loader = _loaders(cfg, tokenizer)
-    total = int(cfg.trainer.total_training_steps or 0)
-    if total <= 0:
-        total = len(train_loader) * int(cfg.trainer.total_epochs)
-    run_dir = Path(str(cfg.trainer.default_local_dir))
-    reward_fn, val_reward_fn = _reward_fns(cfg, tokenizer)
-    started_ray = _init_ray(cfg)
-    tracker = Tracker(list(cfg.trainer.logger), run_dir, total, str(cfg.trainer.project_name),
-                      str(cfg.trainer.experiment_name), plain)  # fmt: skip
+    run: RunConfig = OmegaConf.to_object(cfg)
+    model = run.actor_rollout_ref.model
+    model_path = os.path.expanduser(model.path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.expanduser(model.tokenizer_path or model.path), trust_remote_code=model.trust_remote_code
+    )
+    arch = ModelArch.from_hf_dir(model_path)
+    check_tokenizer_fits_model(tokenizer, arch, model_path)
+    train_loader, val_loader = _loaders(run, tokenizer)
+    total = run.trainer.total_training_steps or len(train_loader) * run.trainer.total_epochs
+    run_dir = Path(run.trainer.default_local_dir)
+    reward_fn, val_reward_fn = _reward_fns(run, tokenizer)
+    context = RunContext.from_config(cfg, total)
+    started_ray = _init_ray(run)
+    tracker = Tracker(
+        run.trainer.logger,
+        run_dir,
+        total,
+        run.trainer.project_name,
+        run.trainer.experiment_name,
+        OmegaConf.to_container(cfg, resolve=True),
+    )
     pool = groups = None
     try:
-        pool, groups = _worker_groups(cfg, total, plain)
-        n_params = count_parameters(ModelArch.from_hf_dir(model_path)).total
+        pool, groups = _worker_groups(run, context)
         trainer = PPOTrainer(
-            cfg, actor=groups["actor"], critic=groups.get("critic"), reward_model=groups.get("reward_model"),
-            reward_fn=reward_fn, val_reward_fn=val_reward_fn, train_loader=train_loader, val_loader=val_loader,
-            tokenizer=tokenizer, tracker=tracker, total_steps=total, n_params=n_params,
-            checkpoints=CheckpointManager(run_dir, cfg.trainer.max_actor_ckpt_to_keep),
-        )  # fmt: skip
+            run,
+            context,
+            actor=groups["actor"],
+            critic=groups.get("critic"),
+            reward_model=groups.get("reward_model"),
+            reward_fn=reward_fn,
+            val_reward_fn=val_reward_fn,
+            train_loader=train_loader,
+            val_loader=val_loader,
+            tokenizer=tokenizer,
+            tracker=tracker,
+            n_params=count_parameters(arch).total,
+            checkpoints=CheckpointManager(run_dir, run.trainer.max_actor_ckpt_to_keep),
+        )
         try:
             history = trainer.fit()
         except StopTraining as stop:

@@ -1,17 +1,16 @@
 """The weight converter: Megatron TP×PP(×VPP) shards → the rollout engine's layout, after every update.
 
 plan (``plan.py``, pure) → execute (``execute.py``, gather/convert/broadcast per
-bucket) → transport (``transport.py``, torch.distributed collectives or CUDA IPC).
+bucket) → transport (``transport.py``, torch.distributed collectives).
 """
 
 from rlhf_megatron.weights.execute import WeightSyncer
 from rlhf_megatron.weights.plan import LOAD_FORMATS, SyncPlan, Target, TrainLayout, build_sync_plan
-from rlhf_megatron.weights.transport import CollectiveTransport, CudaIpcTransport
+from rlhf_megatron.weights.transport import CollectiveTransport
 
 __all__ = [
     "LOAD_FORMATS",
     "CollectiveTransport",
-    "CudaIpcTransport",
     "SyncPlan",
     "Target",
     "TrainLayout",

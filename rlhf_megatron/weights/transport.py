@@ -5,9 +5,10 @@ groups it is given: gloo on CPU, NCCL on GPU (the same code; the backend is
 the group's). It only ever communicates inside the group a target needs: the
 owning stage's TP group for gathers, the pipeline group for broadcasts.
 
-``CudaIpcTransport`` hands tensors to a colocated process on the same GPU
-without a copy, by CUDA IPC handles (``torch.multiprocessing.reductions``);
-it is GPU-only and refuses to run without CUDA.
+With the rollout engine colocated in the training processes (vLLM's external
+launcher), nothing ever crosses a process boundary after the gather, so no
+other transport is needed; a cross-pool transport joins this one when the
+rollout runs on its own resource pool.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class CollectiveTransport:
         self.tp_size = tp_size
         self.pp_group = pp_group
         self.pp_ranks = tuple(pp_ranks)
-        self.bytes_moved = 0
 
     def all_gather_tp(self, shard: torch.Tensor) -> torch.Tensor:
         """Every TP rank's shard of one parameter, stacked in TP-rank order: ``(tp_size, *shard.shape)``.
@@ -54,7 +54,6 @@ class CollectiveTransport:
         shard = shard.contiguous()
         out = shard.new_empty((self.tp_size * shard.shape[0], *shard.shape[1:]))
         _all_gather_single(out, shard, group=self.tp_group)
-        self.bytes_moved += shard.numel() * shard.element_size() * (self.tp_size - 1)
         return out.view(self.tp_size, *shard.shape)
 
     def broadcast_pp(self, flat: torch.Tensor, src_stage: int) -> torch.Tensor:
@@ -62,30 +61,4 @@ class CollectiveTransport:
         if len(self.pp_ranks) == 1:
             return flat
         torch.distributed.broadcast(flat, src=self.pp_ranks[src_stage], group=self.pp_group)
-        self.bytes_moved += flat.numel() * flat.element_size()
         return flat
-
-
-class CudaIpcTransport:
-    """Zero-copy hand-off of CUDA tensors to a colocated process (GPU only)."""
-
-    def __init__(self):
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "CudaIpcTransport needs CUDA: it shares GPU memory between processes on one device. "
-                "On CPU the rollout engine lives in the training process, so no transport is needed."
-            )
-
-    @staticmethod
-    def export(tensor: torch.Tensor):
-        """A picklable handle for ``tensor`` that another process on this GPU can open."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        if not tensor.is_cuda:
-            raise ValueError("CudaIpcTransport.export: tensor must live on a CUDA device")
-        return reduce_tensor(tensor.contiguous())
-
-    @staticmethod
-    def open(handle) -> torch.Tensor:
-        rebuild, args = handle
-        return rebuild(*args)

@@ -28,8 +28,10 @@ from typing import Any
 import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
 from rlhf_megatron.data.balance import balance_partitions
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.data.multimodal import concat_vision_inputs
 from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 
@@ -42,11 +44,7 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, d
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def split_micro_batches(
@@ -57,7 +55,9 @@ def split_micro_batches(
     With ``max_tokens``, rows are packed by their real lengths (attention-mask
     sums) into as few micro-batches as fit the budget, balanced by
     Karmarkar-Karp, with row order kept inside each micro-batch. Every
-    micro-batch carries ``_rows`` (its row indices) and ``_weight``.
+    micro-batch carries ``_rows`` (its row indices) and ``_weight``; with images
+    (a ``multi_modal_inputs`` column), also its rows' ``pixel_values`` and
+    ``image_grid_thw``, concatenated in row order.
     """
     n = len(batch)
     if max_tokens:
@@ -77,10 +77,13 @@ def split_micro_batches(
     else:
         size = micro_batch_size or n
         groups = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    images = batch["multi_modal_inputs"] if "multi_modal_inputs" in batch.non_tensor_keys else None
     micros = []
     for rows in groups:
         index = torch.as_tensor(rows, dtype=torch.long)
         micro = {k: batch[k][index] for k in keys}
+        if images is not None:  # the rows' own images, in row order (their first dim is patches)
+            micro.update(concat_vision_inputs(images[i] for i in rows))
         micro["_rows"] = index
         micro["_weight"] = torch.tensor(len(rows) * len(groups) / n)
         micros.append(micro)
@@ -95,48 +98,55 @@ class MegatronEngine:
         arch: ModelArch,
         parallel: ParallelConfig,
         hf_path: str,
+        megatron: MegatronConfig,
+        optim: OptimConfig | None = None,
         *,
-        train: bool,
-        optim_cfg: Any = None,
-        megatron_cfg: Any = None,
-        params_dtype: torch.dtype = torch.float32,
         total_steps: int = 1,
         variable_seq_lengths: bool = False,
+        freeze_vision_tower: bool = False,
     ):
+        """A model from ``hf_path`` laid out per ``parallel``; trained with ``optim`` (its
+        schedule spanning ``total_steps``), or frozen when ``optim`` is None. ``megatron``
+        gives the dtype, recomputation and the distributed-optimizer switch;
+        ``freeze_vision_tower`` keeps a vision-language model's tower out of training (no
+        gradients, no optimizer state)."""
         from rlhf_megatron.models.loader import load_hf_weights
 
         self.arch = arch
         self.parallel = parallel
         overrides: dict[str, Any] = {}
-        granularity = _get(megatron_cfg, "recompute_granularity")
-        if granularity:
-            overrides["recompute_granularity"] = granularity
-            if granularity == "full":
-                overrides["recompute_method"] = _get(megatron_cfg, "recompute_method", "uniform")
-                overrides["recompute_num_layers"] = int(_get(megatron_cfg, "recompute_num_layers", 1))
+        if megatron.recompute_granularity:
+            overrides["recompute_granularity"] = megatron.recompute_granularity
+            if megatron.recompute_granularity == "full":
+                overrides["recompute_method"] = megatron.recompute_method or "uniform"
+                overrides["recompute_num_layers"] = megatron.recompute_num_layers or 1
         if variable_seq_lengths:
             overrides["variable_seq_lengths"] = True
         self.chunks = build_gpt_model(
-            arch, parallel, params_dtype=params_dtype, init_weights=False, **overrides
+            arch,
+            parallel,
+            params_dtype=DTYPES[megatron.params_dtype],
+            init_weights=False,
+            freeze_vision_tower=freeze_vision_tower,
+            **overrides,
         )
         load_hf_weights(self.chunks, hf_path, arch)
         self.config = self.chunks[0].config
         self.optimizer = None
         self.scheduler = None
-        if train:
-            self._setup_training(optim_cfg, megatron_cfg, total_steps)
+        if optim is not None:
+            self._setup_training(optim, megatron.use_distributed_optimizer, total_steps)
         else:
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
                 chunk.eval()
 
     # ------------------------------------------------------------------ training set-up
-    def _setup_training(self, optim_cfg: Any, megatron_cfg: Any, total_steps: int) -> None:
+    def _setup_training(self, optim: OptimConfig, distributed_opt: bool, total_steps: int) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        distributed_opt = bool(_get(megatron_cfg, "use_distributed_optimizer", False))
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=distributed_opt,
@@ -156,36 +166,31 @@ class MegatronEngine:
             [c.no_sync for c in self.chunks] if len(self.chunks) > 1 else self.chunks[0].no_sync
         )
         self.config.finalize_model_grads_func = finalize_model_grads
-        lr = float(_get(optim_cfg, "lr", 1e-6))
-        betas = _get(optim_cfg, "betas", (0.9, 0.999))
         opt_cfg = OptimizerConfig(
             optimizer="adam",
-            lr=lr,
-            min_lr=lr * float(_get(optim_cfg, "min_lr_ratio", 0.0) or 0.0),
-            weight_decay=float(_get(optim_cfg, "weight_decay", 0.01)),
-            adam_beta1=float(betas[0]),
-            adam_beta2=float(betas[1]),
-            clip_grad=float(_get(optim_cfg, "clip_grad", 1.0)),
+            lr=optim.lr,
+            min_lr=optim.lr * (optim.min_lr_ratio or 0.0),
+            weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0],
+            adam_beta2=optim.betas[1],
+            clip_grad=optim.clip_grad,
             bf16=self.config.bf16,
             fp16=self.config.fp16,
             params_dtype=self.config.params_dtype,
             use_distributed_optimizer=distributed_opt,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
-        warmup = int(_get(optim_cfg, "lr_warmup_steps", -1))
+        warmup = optim.lr_warmup_steps
         if warmup < 0:
-            warmup = int(float(_get(optim_cfg, "lr_warmup_steps_ratio", 0.0)) * total_steps)
-        style = str(_get(optim_cfg, "warmup_style", "constant"))
-        if style not in ("constant", "cosine"):
-            raise ValueError(f"optim.warmup_style={style!r}: use 'constant' or 'cosine'")
+            warmup = int(optim.lr_warmup_steps_ratio * total_steps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
-            init_lr=0.0 if warmup > 0 else lr,
-            max_lr=lr,
+            init_lr=0.0 if warmup > 0 else optim.lr,
+            max_lr=optim.lr,
             min_lr=opt_cfg.min_lr,
             lr_warmup_steps=warmup,
             lr_decay_steps=max(total_steps, warmup + 1),
-            lr_decay_style=style,
+            lr_decay_style=optim.warmup_style,
             start_wd=opt_cfg.weight_decay,
             end_wd=opt_cfg.weight_decay,
             wd_incr_steps=max(total_steps, 1),
@@ -206,8 +211,15 @@ class MegatronEngine:
 
         def step(data_iter, chunk):
             micro = next(data_iter)
-            output = model_forward(chunk, micro["input_ids"], micro["attention_mask"], micro["position_ids"],
-                                   self.arch.sliding_window)  # fmt: skip
+            images = {k: micro[k] for k in ("pixel_values", "image_grid_thw") if k in micro}
+            output = model_forward(
+                chunk,
+                micro["input_ids"],
+                micro["attention_mask"],
+                micro["position_ids"],
+                self.arch.sliding_window,
+                **images,
+            )
             return output, lambda out: loss_fn(out.squeeze(-1) if out.shape[-1] == 1 else out, micro)
 
         n_chunks = len(self.chunks)
@@ -233,9 +245,12 @@ class MegatronEngine:
             )
 
     def train_step(
-        self, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn, nan_policy: str = "stop",
+        self,
+        micro_batches: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        nan_policy: str = "stop",
         where: str = "",
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """One optimizer step over a mini-batch: zero grads, forward/backward, NaN check, clip, step, LR step.
 
         ``nan_policy`` (``trainer.nan_policy``): when any rank's gradients are not finite,
@@ -262,8 +277,12 @@ class MegatronEngine:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(1)
-        return {"metrics": metrics, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "update_ok": bool(ok), "nan_skipped": False}  # fmt: skip
+        return {
+            "metrics": metrics,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_ok": bool(ok),
+            "nan_skipped": False,
+        }
 
     def _ranks_with_nonfinite_grads(self) -> list[int]:
         """Ranks (of the role's world) whose gradient buffers hold NaN/inf; the same list on every rank.
@@ -272,8 +291,11 @@ class MegatronEngine:
         they agree to skip (or stop) together and no rank steps its shard alone. DDP grad
         buffers hold every parameter's gradient (fp32, ``grad_reduce_in_fp32``).
         """
-        grads = [buf.grad_data for chunk in self.chunks
-                 for buf in (*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", []))]  # fmt: skip
+        grads = [
+            buf.grad_data
+            for chunk in self.chunks
+            for buf in (*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", []))
+        ]
         local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         device = grads[0].device if grads else torch.device("cpu")

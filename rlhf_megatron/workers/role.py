@@ -1,14 +1,19 @@
-"""What the Megatron roles share: parallel set-up, batched forward passes, checkpoints.
+"""What the Megatron roles share: parallel set-up, batched forward passes, PPO updates, checkpoints.
 
 ``MegatronRoleWorker`` is the base of the actor (+rollout +ref), the critic
-and the reward model. It reads the role's ``megatron.*`` section, sets up
-megatron's parallel groups (the only place a worker touches them is through
-``platform``), builds ``MegatronEngine``s, and provides:
+and the reward model. Each receives its own typed config section (the
+``actor_rollout_ref``, ``critic`` or ``reward_model`` dataclass) and the run's
+``RunContext`` (seeds, NaN policy, responses per prompt, schedule length). It
+sets up megatron's parallel groups from the section's ``megatron`` layout (the
+only place a worker touches them is through ``platform``), builds
+``MegatronEngine``s, and provides:
 
 - ``forward_rows(engine, batch, fn, ...)``: forward-only over micro-batches,
   returning per-row tensors (in the batch's row order) on the ranks that own
   outputs; ``fn(output, micro)`` turns the last stage's output into
   ``{name: [b, ...]}``.
+- ``train_ppo_epochs(...)``: the PPO epoch x mini-batch x micro-batch loop
+  shared by the actor and the critic.
 - ``save_checkpoint(dir)`` / ``load_checkpoint(dir)``: models through
   megatron's distributed checkpointing, optimizer/scheduler/RNG per rank,
   each file written to a temporary name and renamed.
@@ -24,9 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.config.context import RunContext
+from rlhf_megatron.config.model_arch import HeadKind, ModelArch
+from rlhf_megatron.config.schema import MegatronConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.platform import init_model_parallel, is_cuda
@@ -35,21 +41,18 @@ from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, sp
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
 
-
-def parallel_config(megatron_cfg: Any) -> ParallelConfig:
-    sp = bool(megatron_cfg.sequence_parallel) and int(megatron_cfg.tensor_model_parallel_size) > 1
+def parallel_config(megatron: MegatronConfig) -> ParallelConfig:
+    """The model-parallel layout of a role's ``megatron`` section (SP only where it can run)."""
+    sp = megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1
     if sp and not is_cuda():
         logger.info("sequence_parallel needs transformer-engine kernels; off on CPU")
         sp = False
-    vpp = megatron_cfg.virtual_pipeline_model_parallel_size
     return ParallelConfig(
-        tensor_model_parallel_size=int(megatron_cfg.tensor_model_parallel_size),
-        pipeline_model_parallel_size=int(megatron_cfg.pipeline_model_parallel_size),
-        virtual_pipeline_model_parallel_size=int(vpp) if vpp else None,
-        context_parallel_size=int(megatron_cfg.context_parallel_size),
+        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size or None,
+        context_parallel_size=megatron.context_parallel_size,
         sequence_parallel=sp,
     )
 
@@ -66,34 +69,40 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 
 
 class MegatronRoleWorker(Worker):
-    """Base of the Megatron-backed roles; ``config`` is the whole resolved run config (a dict)."""
+    """Base of the Megatron-backed roles: ``section`` is the role's typed config section."""
 
-    def __init__(self, role: str, rank: int, world_size: int, env: dict[str, str] | None = None,
-                 config: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        section: Any,
+        context: RunContext,
+        env: dict[str, str] | None = None,
+    ):
         super().__init__(role, rank, world_size, env)
-        self.cfg: DictConfig = OmegaConf.create(config or {})
+        self.section = section
+        self.context = context
+        self.path = ""
+        """The role's HF model directory (set by ``init_model``); checkpoints record it."""
         self.engines: dict[str, MegatronEngine] = {}
+        self.updates = 0
+        """Training steps this process has run (1 = the first after start or resume): fault
+        points are addressed by it."""
 
-    def setup_parallel(self, megatron_cfg: Any) -> ParallelConfig:
-        parallel = parallel_config(megatron_cfg)
+    def setup_parallel(self, megatron: MegatronConfig) -> ParallelConfig:
+        parallel = parallel_config(megatron)
         self.parallel = init_model_parallel(
             parallel.tensor_model_parallel_size,
             parallel.pipeline_model_parallel_size,
             parallel.virtual_pipeline_model_parallel_size,
             parallel.context_parallel_size,
-            seed=int(megatron_cfg.seed) + int(self.cfg.trainer.seed),
+            seed=self.context.seeds.model_parallel(megatron.seed),
         )
         return parallel
 
     @staticmethod
-    def params_dtype(megatron_cfg: Any) -> torch.dtype:
-        name = str(megatron_cfg.get("params_dtype") or ("bfloat16" if is_cuda() else "float32"))
-        if name not in DTYPES:
-            raise ValueError(f"megatron.params_dtype={name!r} is not one of {sorted(DTYPES)}")
-        return DTYPES[name]
-
-    @staticmethod
-    def load_arch(path: str, head: str) -> ModelArch:
+    def load_arch(path: str, head: HeadKind) -> ModelArch:
         return ModelArch.from_hf_dir(os.path.expanduser(path), head=head)
 
     # ------------------------------------------------------------------ forward helpers
@@ -122,55 +131,51 @@ class MegatronRoleWorker(Worker):
 
     # ------------------------------------------------------------------ PPO updates
     def train_ppo_epochs(
-        self,
-        engine: MegatronEngine,
-        batch: Batch,
-        keys: tuple[str, ...],
-        loss_fn,
-        role_cfg,
-        step: int,
-        seed: int,
+        self, engine: MegatronEngine, batch: Batch, keys: tuple[str, ...], loss_fn, role_cfg, step: int
     ) -> dict[str, float]:
-        """``ppo_epochs`` × mini-batches × micro-batches of ``loss_fn`` on this DP rank's ``batch``.
+        """``ppo_epochs`` x mini-batches x micro-batches of ``loss_fn`` on this DP rank's ``batch``.
 
-        ``role_cfg`` is the role's section (``actor_rollout_ref.actor`` or ``critic``) with verl's
+        ``role_cfg`` is the role's section (``ActorConfig`` or ``CriticConfig``) with verl's
         ``ppo_mini_batch_size`` (prompts, summed over DP ranks), ``ppo_epochs``, ``shuffle``,
-        ``ppo_micro_batch_size_per_gpu`` and the dynamic-batch keys. Returns the mean of every
-        metric over optimizer steps, plus ``<role>/grad_norm``, ``<role>/update_ok``, ``<role>/lr`` and
-        ``<role>/nan_skipped`` (steps dropped under ``trainer.nan_policy=skip``).
+        ``data_loader_seed``, ``ppo_micro_batch_size_per_gpu`` and the dynamic-batch keys.
+        Returns the mean of every metric over optimizer steps, plus ``<role>/grad_norm``,
+        ``<role>/update_ok``, ``<role>/lr`` and ``<role>/nan_skipped`` (steps dropped under
+        ``trainer.nan_policy=skip``).
         """
-        n = int(self.cfg.actor_rollout_ref.rollout.n)
-        mini_rows = int(role_cfg.ppo_mini_batch_size) * n // self.parallel.dp_size
+        n = self.context.rollout_n
+        mini_rows = role_cfg.ppo_mini_batch_size * n // self.parallel.dp_size
         if mini_rows < 1 or len(batch) % mini_rows:
             raise ValueError(
                 f"[{self.role}] rank {self.rank}: {len(batch)} rows per DP rank do not split into mini-batches "
                 f"of {mini_rows} (ppo_mini_batch_size x rollout.n / DP = {role_cfg.ppo_mini_batch_size} x {n} / "
                 f"{self.parallel.dp_size})"
             )
-        max_tokens = int(role_cfg.ppo_max_token_len_per_gpu) if role_cfg.use_dynamic_bsz else None
+        max_tokens = role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else None
         records: dict[str, list[float]] = {}
         nan_skipped = 0
+        seed = self.context.seeds.minibatch_shuffle(self.role, step, role_cfg.data_loader_seed)
         generator = torch.Generator().manual_seed(seed)
-        for _ in range(int(role_cfg.ppo_epochs)):
+        where = f"[{self.role}] rank {self.rank} step {step}"
+        for _ in range(role_cfg.ppo_epochs):
             order = (
                 torch.randperm(len(batch), generator=generator)
                 if role_cfg.shuffle
                 else torch.arange(len(batch))
             )
             for start in range(0, len(batch), mini_rows):
-                micros = split_micro_batches(batch[order[start : start + mini_rows]], keys,
-                                             role_cfg.ppo_micro_batch_size_per_gpu, max_tokens)  # fmt: skip
-                result = engine.train_step(micros, loss_fn, str(self.cfg.trainer.nan_policy),
-                                           f"[{self.role}] rank {self.rank} step {step}")  # fmt: skip
+                mini = batch[order[start : start + mini_rows]]
+                micros = split_micro_batches(mini, keys, role_cfg.ppo_micro_batch_size_per_gpu, max_tokens)
+                result = engine.train_step(micros, loss_fn, self.context.nan_policy, where)
                 for m in result["metrics"]:
                     for k, v in m.items():
                         records.setdefault(k, []).append(v)
                 records.setdefault(f"{self.role}/grad_norm", []).append(result["grad_norm"])
                 records.setdefault(f"{self.role}/update_ok", []).append(float(result["update_ok"]))
-                nan_skipped += int(result["nan_skipped"])
+                nan_skipped += result["nan_skipped"]
         metrics = {k: sum(v) / len(v) for k, v in records.items()}
         metrics[f"{self.role}/lr"] = engine.lr
         metrics[f"{self.role}/nan_skipped"] = float(nan_skipped)
+        self.updates += 1
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -198,8 +203,14 @@ class MegatronRoleWorker(Worker):
         for name, engine in self.engines.items():
             if engine.optimizer is None:
                 continue  # frozen models (reference) are rebuilt from the HF checkpoint
-            save_model_checkpoint(engine.chunks, root / name / "model", engine.arch, engine.parallel,
-                                  hf_dir=self.model_path(name), source=f"{self.role}:{name}")  # fmt: skip
+            save_model_checkpoint(
+                engine.chunks,
+                root / name / "model",
+                engine.arch,
+                engine.parallel,
+                hf_dir=self.path,
+                source=f"{self.role}:{name}",
+            )
             state = {
                 "engine": engine.state_for_checkpoint(),
                 "rng": {
@@ -237,6 +248,3 @@ class MegatronRoleWorker(Worker):
 
     def on_weights_loaded(self) -> None:
         """Hook for roles that derive state from the weights (the actor's rollout copy)."""
-
-    def model_path(self, engine_name: str) -> str:
-        raise NotImplementedError

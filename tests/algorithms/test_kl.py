@@ -124,22 +124,18 @@ def test_controller_state_round_trip():
         fixed.load_state_dict(ctrl.state_dict())
 
 
-def test_get_kl_controller_from_dict_and_object():
-    class Cfg:
-        type = "adaptive"
-        kl_coef = 0.2
-        target_kl = 0.1
-        horizon = 500
-
-    ctrl = get_kl_controller(Cfg())
+def test_get_kl_controller_by_type():
+    ctrl = get_kl_controller("adaptive", kl_coef=0.2, target_kl=0.1, horizon=500)
     assert isinstance(ctrl, AdaptiveKLController)
     assert (ctrl.value, ctrl.target, ctrl.horizon) == (0.2, 0.1, 500)
-    fixed = get_kl_controller({"type": "fixed", "kl_coef": 0.05})
+    fixed = get_kl_controller("fixed", kl_coef=0.05)
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.05
     with pytest.raises(ValueError, match="'fixed' or 'adaptive'"):
-        get_kl_controller({"type": "pid", "kl_coef": 0.1})
+        get_kl_controller("pid", kl_coef=0.1)
     with pytest.raises(ValueError, match="horizon > 0"):
-        get_kl_controller({"type": "adaptive", "kl_coef": 0.1, "target_kl": 0.1, "horizon": 0})
+        get_kl_controller("adaptive", kl_coef=0.1, target_kl=0.1, horizon=0)
+    with pytest.raises(ValueError, match="kl_coef is required"):
+        get_kl_controller("fixed")
 
 
 def test_apply_kl_penalty_hand_computed_and_updates_controller():

@@ -22,6 +22,7 @@ def tiny(tmp_path_factory):
 
 def _nan_step(rank, world, model):
     from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.platform import init_model_parallel
@@ -34,7 +35,8 @@ def _nan_step(rank, world, model):
     init_model_parallel(2, 1, seed=1)
     arch = ModelArch.from_hf_dir(model)
     engine = MegatronEngine(
-        arch, ParallelConfig(2), model, train=True, optim_cfg={"lr": 1e-3}, total_steps=10
+        arch, ParallelConfig(2), model, MegatronConfig(params_dtype="float32", use_distributed_optimizer=False),
+        OptimConfig(lr=1e-3), total_steps=10
     )
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),

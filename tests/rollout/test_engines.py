@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from rlhf_megatron.config.schema import RolloutConfig, ValSamplingConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.multiproc import run_on_ranks
-from rlhf_megatron.rollout import SamplingConfig, build_rollout_engine
+from rlhf_megatron.rollout import RolloutSampling, build_rollout_engine
 
 RESPONSE_LEN = 8
 
@@ -63,10 +64,10 @@ def _vllm_generate_and_refit(rank, world_size, model_path):
     from transformers import AutoModelForCausalLM
 
     engine = build_rollout_engine(
-        "vllm", model_path, {"dtype": "float32", "max_num_seqs": 8}, max_model_len=64, seed=0, pad_token_id=0
+        "vllm", model_path, RolloutConfig(dtype="float32", max_num_seqs=8), max_model_len=64, seed=0, pad_token_id=0
     )
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    sampling = SamplingConfig(n=2, temperature=1.0, response_length=RESPONSE_LEN)
+    sampling = RolloutSampling(n=2, temperature=1.0, response_length=RESPONSE_LEN)
     out = engine.generate_sequences(_prompt_batch(PROMPTS), sampling)
     err_before = (
         ((out["rollout_log_probs"] - _hf_log_probs(hf, out)).abs() * out["response_mask"]).max().item()
@@ -81,10 +82,10 @@ def _vllm_generate_and_refit(rank, world_size, model_path):
     err_after = (
         ((out2["rollout_log_probs"] - _hf_log_probs(hf, out2)).abs() * out2["response_mask"]).max().item()
     )
-    greedy = SamplingConfig(do_sample=False, response_length=4)
+    greedy = RolloutSampling(do_sample=False, response_length=4)
     vllm_greedy = engine.generate_sequences(_prompt_batch(PROMPTS), greedy)["responses"]
     engine.shutdown()
-    hf_engine = build_rollout_engine("hf", model_path, {}, pad_token_id=0, eos_token_id=2)
+    hf_engine = build_rollout_engine("hf", model_path, RolloutConfig(), pad_token_id=0, eos_token_id=2)
     hf_engine.update_weights((n, p.detach().clone()) for n, p in hf.named_parameters())
     hf_greedy = hf_engine.generate_sequences(_prompt_batch(PROMPTS), greedy)["responses"]
     return {"out": out, "err_before": err_before, "err_after": err_after, "greedy": (vllm_greedy, hf_greedy)}
@@ -102,16 +103,16 @@ def test_vllm_engine_layout_logprobs_and_refit(tiny_llama):
 
 
 def test_hf_engine_layout_and_logprobs(tiny_llama):
-    engine = build_rollout_engine("hf", tiny_llama, {}, seed=0, pad_token_id=0, eos_token_id=2)
-    out = engine.generate_sequences(_prompt_batch(PROMPTS), SamplingConfig(n=2, response_length=RESPONSE_LEN))
+    engine = build_rollout_engine("hf", tiny_llama, RolloutConfig(), seed=0, pad_token_id=0, eos_token_id=2)
+    out = engine.generate_sequences(_prompt_batch(PROMPTS), RolloutSampling(n=2, response_length=RESPONSE_LEN))
     _check_layout(out, n=2)
     err = ((out["rollout_log_probs"] - _hf_log_probs(engine.model, out)).abs() * out["response_mask"]).max()
     assert err < 1e-4
 
 
 def test_hf_engine_update_weights_changes_outputs(tiny_llama):
-    engine = build_rollout_engine("hf", tiny_llama, {}, pad_token_id=0, eos_token_id=2)
-    greedy = SamplingConfig(do_sample=False, response_length=RESPONSE_LEN)
+    engine = build_rollout_engine("hf", tiny_llama, RolloutConfig(), pad_token_id=0, eos_token_id=2)
+    greedy = RolloutSampling(do_sample=False, response_length=RESPONSE_LEN)
     new = {n: torch.randn_like(p) * 0.2 for n, p in engine.model.named_parameters()}
     engine.update_weights(new.items())
     for n, p in engine.model.named_parameters():
@@ -135,14 +136,16 @@ def test_hf_engine_update_weights_changes_outputs(tiny_llama):
         ({"do_sample": False, "n": 4}, "greedy decoding"),
     ],
 )
-def test_sampling_config_rejects_bad_values(kwargs, message):
+def test_sampling_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingConfig(**kwargs)
+        RolloutSampling(**kwargs)
 
 
-def test_sampling_config_from_rollout_config_applies_val_kwargs():
-    cfg = {"n": 4, "temperature": 0.7, "response_length": 16, "val_kwargs": {"do_sample": False, "n": 1}}
-    train = SamplingConfig.from_rollout_config(cfg)
-    val = SamplingConfig.from_rollout_config(cfg, validate=True)
+def test_sampling_from_the_rollout_section_applies_val_kwargs_and_greedy():
+    cfg = RolloutConfig(n=4, temperature=0.7, response_length=16, val_kwargs=ValSamplingConfig(do_sample=False, n=3))
+    train = RolloutSampling.from_config(cfg)
+    val = RolloutSampling.from_config(cfg, validate=True)
+    greedy = RolloutSampling.from_config(cfg, greedy=True, seed=5)
     assert (train.n, train.temperature, train.greedy) == (4, 0.7, False)
-    assert (val.n, val.greedy, val.response_length) == (1, True, 16)
+    assert (val.n, val.greedy, val.response_length) == (1, True, 16)  # greedy: one answer whatever n says
+    assert (greedy.n, greedy.greedy, greedy.seed) == (1, True, 5)

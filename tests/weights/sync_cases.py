@@ -85,11 +85,13 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
     if not with_vllm:
         return result
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from rlhf_megatron.config.schema import RolloutConfig
     from rlhf_megatron.rollout.vllm_engine import VLLMEngine
 
     captured = capture_vllm_loaded_weights()
-    engine = VLLMEngine(hf_dir, {"dtype": "float32", "max_num_seqs": 4}, max_model_len=64,
-                        tensor_parallel_size=rollout_tp)  # fmt: skip
+    engine = VLLMEngine(
+        hf_dir, RolloutConfig(dtype="float32", max_num_seqs=4), max_model_len=64, tensor_parallel_size=rollout_tp
+    )
     from_checkpoint = name_captured(engine, captured)
     unlinked = list(engine.unlinked_shm)
     shm_left = [n for n in unlinked if os.path.exists(f"/dev/shm/{n}")]

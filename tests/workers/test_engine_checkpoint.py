@@ -23,6 +23,7 @@ def tiny(tmp_path_factory):
 
 def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
     from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.checkpoint import load_model_checkpoint, save_model_checkpoint
@@ -33,8 +34,8 @@ def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
     arch = ModelArch.from_hf_dir(model)
 
     def build():
-        return MegatronEngine(arch, ParallelConfig(2), model, train=True, optim_cfg={"lr": 1e-3},
-                              megatron_cfg={"use_distributed_optimizer": dist_opt}, total_steps=10)  # fmt: skip
+        megatron = MegatronConfig(params_dtype="float32", use_distributed_optimizer=dist_opt)
+        return MegatronEngine(arch, ParallelConfig(2), model, megatron, OptimConfig(lr=1e-3), total_steps=10)
 
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),

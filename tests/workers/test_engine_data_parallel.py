@@ -22,6 +22,7 @@ def tiny(tmp_path_factory):
 
 def _train(rank, world, model, dist_opt):
     from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.platform import init_model_parallel
@@ -29,8 +30,8 @@ def _train(rank, world, model, dist_opt):
 
     info = init_model_parallel(1, 1, seed=1)
     arch = ModelArch.from_hf_dir(model)
-    engine = MegatronEngine(arch, ParallelConfig(), model, train=True, optim_cfg={"lr": 1e-3},
-                            megatron_cfg={"use_distributed_optimizer": dist_opt}, total_steps=10)  # fmt: skip
+    megatron = MegatronConfig(params_dtype="float32", use_distributed_optimizer=dist_opt)
+    engine = MegatronEngine(arch, ParallelConfig(), model, megatron, OptimConfig(lr=1e-3), total_steps=10)
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     full = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip

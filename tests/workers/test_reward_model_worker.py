@@ -45,6 +45,7 @@ def test_reward_model_scores_match_transformers(models):
     from transformers import AutoTokenizer
 
     from rlhf_megatron.config import load_config
+    from rlhf_megatron.config.context import RunContext
     from rlhf_megatron.rollout.base import assemble_rollout
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.workers import RewardModelWorker
@@ -79,9 +80,8 @@ def test_reward_model_scores_match_transformers(models):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         pool = ResourcePool("rm", [2])
-        group = WorkerGroup(
-            "reward_model", pool, RewardModelWorker, {"config": OmegaConf.to_container(cfg, resolve=True)}
-        )
+        kwargs = {"section": OmegaConf.to_object(cfg).reward_model, "context": RunContext.from_config(cfg, 1)}
+        group = WorkerGroup("reward_model", pool, RewardModelWorker, kwargs)
         group.call("init_model")
         scores = group.call("compute_rm_score", rollout, dispatch="dp_compute")["rm_scores"]
         group.shutdown()

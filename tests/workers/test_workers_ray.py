@@ -46,8 +46,6 @@ def local_ray():
 
 
 def _config(model_path, world, **extra):
-    from omegaconf import OmegaConf
-
     from rlhf_megatron.config import load_config
 
     overrides = [
@@ -58,11 +56,19 @@ def _config(model_path, world, **extra):
         "actor_rollout_ref.actor.use_kl_loss=false", "critic.ppo_mini_batch_size=4",
         "critic.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=2",
         *[f"{k}={v}" for k, v in extra.items()],
-    ]  # fmt: skip
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = load_config("quickstart_cpu", overrides, validate=False)
-    return OmegaConf.to_container(cfg, resolve=True)
+        return load_config("quickstart_cpu", overrides, validate=False)
+
+
+def _worker_kwargs(cfg, section: str) -> dict:
+    """What the trainer hands a role's workers: its typed section and the run context."""
+    from omegaconf import OmegaConf
+
+    from rlhf_megatron.config.context import RunContext
+
+    return {"section": getattr(OmegaConf.to_object(cfg), section), "context": RunContext.from_config(cfg, 2)}
 
 
 def _prompts(n=4):
@@ -85,8 +91,9 @@ def _hf_log_probs(model_path, rollout):
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"],
-                       position_ids=rollout["position_ids"]).logits  # fmt: skip
+        logits = model(
+            input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"], position_ids=rollout["position_ids"]
+        ).logits
     p = rollout["prompts"].shape[1]
     lp = torch.log_softmax(logits[:, p - 1 : -1].float(), -1)
     return lp.gather(-1, rollout["responses"].unsqueeze(-1)).squeeze(-1)
@@ -97,9 +104,11 @@ def _actor_group(cfg, world, name):
     from rlhf_megatron.workers import ActorRolloutRefWorker
 
     pool = ResourcePool(name, [world])
-    group = WorkerGroup("actor", pool, ActorRolloutRefWorker, {"config": cfg}, call_timeout_s=600,
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # fmt: skip
-    group.call("init_model", need_ref=False, total_steps=2)
+    group = WorkerGroup(
+        "actor", pool, ActorRolloutRefWorker, _worker_kwargs(cfg, "actor_rollout_ref"), call_timeout_s=600,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    )
+    group.call("init_model")
     return group, pool
 
 
@@ -122,8 +131,10 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
         assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
         new = group.call("compute_log_prob", rollout, dispatch="dp_compute")["old_log_probs"]
         assert ((new - old).abs() * mask).max() > 1e-3, "the update did not change the policy"
+        # The driver syncs right after every update; the converter reports its phases.
+        sync = group.call("sync_weights", dispatch="rank0")
+        assert {"sync/gather_s", "sync/convert_s", "sync/peak_bucket_bytes"} <= set(sync)
         rollout2 = group.call("generate_sequences", _prompts(), dispatch="dp_compute", layout="rollout")
-        assert "timing_s/sync_weights" in rollout2.meta_info
         new2 = group.call("compute_log_prob", rollout2, dispatch="dp_compute")["old_log_probs"]
         mask2 = rollout2["response_mask"].float()
         assert ((new2 - rollout2["rollout_log_probs"]).abs() * mask2).max() < 1e-4, "stale weights in vLLM"
@@ -145,9 +156,9 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
 
     cfg = _config(tiny, 2, **{"critic.ppo_mini_batch_size": 2})  # 4 rows = 2 prompts x n=2
     pool = ResourcePool("critic2", [2])
-    group = WorkerGroup("critic", pool, CriticWorker, {"config": cfg}, call_timeout_s=600)
+    group = WorkerGroup("critic", pool, CriticWorker, _worker_kwargs(cfg, "critic"), call_timeout_s=600)
     try:
-        group.call("init_model", total_steps=2)
+        group.call("init_model")
         from rlhf_megatron.rollout.base import assemble_rollout
 
         batch = assemble_rollout(_prompts(), [[30, 31, 2]] * 4, [[0.0] * 3] * 4, 1, RESPONSE_LEN, 0)

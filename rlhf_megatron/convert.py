@@ -36,6 +36,7 @@ from rlhf_megatron.models.spec import (
     StageError,
     expected_hf_shapes,
     hf_names,
+    hf_source,
     layer_offset,
     mcore_full_shape,
     mcore_param_names,
@@ -87,7 +88,9 @@ def _publish(tmp: Path, out: Path, force: bool) -> None:
 
 def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | None) -> None:
     """Every tensor the model needs is present with the right shape, and the layout fits."""
-    source = HFCheckpoint(hf_dir)
+    from rlhf_megatron.models.loader import is_scalar_head_param
+
+    source = hf_source(HFCheckpoint(hf_dir), arch)  # a family's alternative HF names count too
     expected = expected_hf_shapes(arch)
     layer_offset(arch.num_layers, 0, pp, 0 if vpp else None, vpp)  # raises if layers do not split evenly
     if arch.num_attention_heads % tp:
@@ -98,7 +101,7 @@ def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | No
         tp_shard_slices(name, arch, 0, tp)  # raises if TP does not divide this parameter
         for hf_name in hf_names(name, arch):
             if hf_name not in source:
-                if name.startswith("output_layer.") and arch.head != "lm":
+                if is_scalar_head_param(name, arch):
                     continue  # a critic/reward head absent from an LM checkpoint starts from its init
                 raise ConversionError(
                     f"{hf_dir}: tensor {hf_name} (for megatron {name}) is missing from the checkpoint"
@@ -203,7 +206,10 @@ def _plan_export(specs, arch: ModelArch, saved_tp: int, dtype: torch.dtype):
             want = mcore_full_shape(spec.name, arch, saved_tp)
         except SpecError as e:
             raise ConversionError(f"checkpoint tensor {spec.key} (as {spec.name}): {e}") from None
-        vocab = spec.name in ("embedding.word_embeddings.weight", "output_layer.weight") and arch.head == "lm"
+        vocab = (
+            spec.name.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))
+            and arch.head == "lm"
+        )
         # The vocabulary rows are padded for the TP size the checkpoint was saved at.
         ok = (
             (spec.shape[1:] == want[1:] and spec.shape[0] >= arch.vocab_size) if vocab else spec.shape == want
@@ -243,6 +249,9 @@ def _hf_config(arch: ModelArch, source_config: Path | None, dtype: torch.dtype) 
 
 
 def _arch_to_hf_fields(arch: ModelArch) -> dict:
+    """transformers config kwargs for ``arch`` (nested text/vision sections for vision-language models)."""
+    if arch.vision is not None:
+        return _vl_arch_to_hf_fields(arch)
     rope = {"rope_type": "default", "rope_theta": arch.rope_theta}
     if arch.rope_scaling is not None:
         s = arch.rope_scaling
@@ -267,6 +276,57 @@ def _arch_to_hf_fields(arch: ModelArch) -> dict:
         rope_parameters=rope,
         sliding_window=arch.sliding_window,
         initializer_range=arch.initializer_range,
+    )
+
+
+def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
+    v = arch.vision
+    text = dict(
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_kv_heads,
+        vocab_size=arch.vocab_size,
+        rms_norm_eps=arch.norm_eps,
+        max_position_embeddings=arch.max_position_embeddings,
+        initializer_range=arch.initializer_range,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": arch.rope_theta,
+            "mrope_section": list(arch.mrope_section),
+        },
+    )
+    vision = dict(
+        depth=v.depth,
+        num_heads=v.num_heads,
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        spatial_merge_size=v.spatial_merge_size,
+        in_channels=v.in_channels,
+        rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta},
+    )
+    if arch.model_type == "qwen2_5_vl":
+        vision.update(
+            hidden_size=v.hidden_size,
+            intermediate_size=v.intermediate_size,
+            out_hidden_size=v.out_hidden_size,
+            window_size=v.window_size,
+            fullatt_block_indexes=list(v.fullatt_block_indexes),
+        )
+    else:
+        vision.update(
+            embed_dim=v.hidden_size,
+            mlp_ratio=v.intermediate_size // v.hidden_size,
+            hidden_size=v.out_hidden_size,
+        )
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return dict(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        **{t: getattr(arch, t) for t in tokens},
     )
 
 
@@ -337,7 +397,10 @@ def convert_mcore_to_hf(
         if not (tmp / "generation_config.json").exists() and arch.head == "lm":
             from transformers import GenerationConfig, PretrainedConfig
 
-            GenerationConfig.from_model_config(PretrainedConfig(**config)).save_pretrained(tmp)
+            # A transformers-5 vision-language config nests the language model's token ids.
+            text = config.get("text_config") or config
+            text = {k: v for k, v in text.items() if k not in ("text_config", "vision_config")}
+            GenerationConfig.from_model_config(PretrainedConfig(**text)).save_pretrained(tmp)
         _publish(tmp, out, force)
     finally:
         if tmp.exists():

@@ -1,0 +1,119 @@
+"""The test hook behind ``fault_point``: ``RLHF_FAULT`` and ``RLHF_STOP_AFTER_STEP``. Not for production.
+
+Imported only when one of the variables is set (see ``platform/faults.py``).
+
+``RLHF_FAULT`` holds comma-separated entries ``<phase>:<step>[:<rank>]``; an entry without a
+rank applies to every rank. ``step`` counts the training steps *this process* has run
+(1 = the first step after start or resume), so a restarted run without the variable is
+unaffected. Phases, and the point each acts at:
+
+- ``gen``, ``update``, ``sync``: the actor worker of that rank SIGKILLs itself at
+  ``actor.generate`` / ``actor.update`` / ``actor.sync`` (a crashed or OOM-killed process).
+- ``nan``: at ``actor.update``, that step's advantages become NaN (a poisoned loss).
+- ``critic_nan``: at ``critic.update``, that step's returns become inf (an overflowing
+  value loss).
+- ``save``: the driver SIGKILLs itself at ``trainer.save``, after the workers wrote their
+  files into the temporary directory and before the trainer commits it.
+
+Two entries take an amount instead of a step and act at every step (``tools/soak.py``'s
+tests use them to show that its checks catch a real leak and a real slowdown):
+
+- ``leak:<MiB>``: every actor worker keeps another ``MiB`` of memory per ``actor.update``.
+- ``sync_drift:<ms>``: every ``actor.sync`` sleeps ``ms`` times the number of updates so far.
+
+``RLHF_STOP_AFTER_STEP=k`` raises ``StopTraining`` at ``trainer.step_end`` of step ``k``
+(tests simulate a pre-emption with it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+
+import torch
+
+from rlhf_megatron.platform.faults import FAULT_ENV, STOP_ENV, Handler, StopTraining
+
+_leaked: list[bytes] = []  # the planted leak: kept alive for the life of the process
+
+
+def _entries(spec: str) -> list[list[str]]:
+    return [e.strip().split(":") for e in spec.split(",") if e.strip()]
+
+
+def _matches(entry: list[str], step: int, rank: int | None) -> bool:
+    return int(entry[1]) == step and (len(entry) < 3 or rank is None or int(entry[2]) == rank)
+
+
+def _kill(entry: list[str]) -> Handler:
+    def handler(step: int, rank: int | None = None, **_) -> None:
+        if _matches(entry, step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: like the OOM killer
+
+    return handler
+
+
+def _poison(entry: list[str], key: str, value: float) -> Handler:
+    def handler(step: int, rank: int | None = None, batch=None, **_) -> None:
+        if _matches(entry, step, rank):
+            batch[key] = torch.full_like(batch[key], value)
+
+    return handler
+
+
+def _leak(mib: int) -> Handler:
+    def handler(**_) -> None:
+        _leaked.append(b"\x01" * (mib << 20))  # bytes written, so resident
+
+    return handler
+
+
+def _drift(ms: int) -> Handler:
+    def handler(step: int, **_) -> None:
+        time.sleep(ms * step / 1000)
+
+    return handler
+
+
+def _stop_after(k: int) -> Handler:
+    def handler(step: int, **_) -> None:
+        if step >= k:
+            raise StopTraining(f"stopped after step {step} ({STOP_ENV}={k})")
+
+    return handler
+
+
+_KILL_POINTS = {
+    "gen": "actor.generate",
+    "update": "actor.update",
+    "sync": "actor.sync",
+    "save": "trainer.save",
+}
+
+
+def handlers_from_env(env: Mapping[str, str]) -> dict[str, list[Handler]]:
+    """Point name -> handlers, from ``RLHF_FAULT`` / ``RLHF_STOP_AFTER_STEP``."""
+    registry: dict[str, list[Handler]] = {}
+
+    def add(point: str, handler: Handler) -> None:
+        registry.setdefault(point, []).append(handler)
+
+    for entry in _entries(env.get(FAULT_ENV, "")):
+        phase = entry[0]
+        if phase in _KILL_POINTS:
+            add(_KILL_POINTS[phase], _kill(entry))
+        elif phase == "nan":
+            add("actor.update", _poison(entry, "advantages", float("nan")))
+        elif phase == "critic_nan":
+            add("critic.update", _poison(entry, "returns", float("inf")))
+        elif phase == "leak":
+            add("actor.update", _leak(int(entry[1])))
+        elif phase == "sync_drift":
+            add("actor.sync", _drift(int(entry[1])))
+        else:
+            raise ValueError(f"{FAULT_ENV}: unknown phase {phase!r} in entry {':'.join(entry)!r}")
+    if env.get(STOP_ENV):
+        add("trainer.step_end", _stop_after(int(env[STOP_ENV])))
+    return registry

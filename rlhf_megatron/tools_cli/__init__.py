@@ -1,1 +1,0 @@
-"""Command-line tools that live inside the package, so ``rlhf-megatron <subcommand>`` can reach them."""
