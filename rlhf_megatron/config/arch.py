@@ -18,9 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config.model_arch import HeadKind, ModelArch
+from rlhf_megatron.config.model_arch import HeadKind, ModelArch, VisionArch
 
-__all__ = ["ParamCount", "arch_for_role", "count_parameters", "read_hf_config"]
+__all__ = ["ParamCount", "arch_for_role", "count_parameters", "count_vision_parameters", "read_hf_config"]
 
 # Role -> the head its model carries.
 _ROLE_HEADS: dict[str, HeadKind] = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
@@ -78,15 +78,36 @@ class ParamCount:
     """Final RMSNorm; last stage."""
     output: int
     """LM head (0 when tied to the embedding) or value head; last stage."""
+    vision: int = 0
+    """Vision tower and patch merger of a vision-language model; first stage, like the embedding."""
 
     @property
     def total(self) -> int:
-        return self.embedding + self.per_layer * self.num_layers + self.final_norm + self.output
+        return self.vision + self.embedding + self.per_layer * self.num_layers + self.final_norm + self.output
+
+
+def count_vision_parameters(vision: VisionArch) -> int:
+    """Patch embedding (no bias), ``depth`` blocks (norms, fused QKV and output projection with
+    biases, SwiGLU or fc1/fc2 MLP with biases) and the merger (norm, two biased linears), as HF
+    stores them (the MLP unpadded)."""
+    h, f, merged, out = (
+        vision.hidden_size,
+        vision.intermediate_size,
+        vision.merged_hidden_size,
+        vision.out_hidden_size,
+    )
+    norm = h * (2 if vision.norm == "layernorm" else 1)  # LayerNorm has a bias
+    attention = (h * 3 * h + 3 * h) + (h * h + h)
+    mlp_in = 2 * (h * f + f) if vision.mlp == "swiglu" else h * f + f
+    block = 2 * norm + attention + mlp_in + f * h + h
+    merger = norm + (merged * merged + merged) + (merged * out + out)
+    return h * vision.patch_dim + vision.depth * block + merger
 
 
 def count_parameters(arch: ModelArch) -> ParamCount:
     """Parameters of ``arch`` (RMSNorm, RoPE, GQA, SwiGLU; Q/K/V biases and q/k norms where the
-    family has them). A value or reward head is a hidden -> 1 projection (plus its bias)."""
+    family has them; the vision tower of a vision-language model). A value or reward head is a
+    hidden -> 1 projection (plus its bias)."""
     h, d = arch.hidden_size, arch.head_dim
     q_width, kv_width = arch.num_attention_heads * d, arch.num_kv_heads * d
     attention = h * q_width + 2 * h * kv_width + q_width * h
@@ -107,4 +128,5 @@ def count_parameters(arch: ModelArch) -> ParamCount:
         num_layers=arch.num_layers,
         final_norm=h,
         output=output,
+        vision=count_vision_parameters(arch.vision) if arch.vision is not None else 0,
     )

@@ -29,6 +29,15 @@ for every role and every phase of a PPO step, and whether the peak fits
 
 Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe side.
 
+Vision-language models: the vision tower's parameters count on the first pipeline stage
+(with the embedding) and in vLLM's weights. Images enter the language model as placeholder
+tokens, one per merged patch (``t·h·w / m²`` per image, e.g. 1,024 for an 896 x 896 image
+with Qwen2.5-VL's 14-pixel patches merged 2 x 2) that the processor writes into the prompt,
+so ``data.max_prompt_length`` must already include them and the sequence length planned
+here (prompt + response) counts them like text. The tower's own activations (``m²``
+patches per image token through its blocks, on the first stage) are not modelled: leave
+headroom on the first stage for image-heavy prompts.
+
 Boundaries: arithmetic only; reads a loaded config. The CLI wrapper is ``rlhf_megatron.cli``.
 """
 
@@ -155,6 +164,10 @@ class MemoryPlan:
     rollout: RolloutMemory
     phases: list[Phase]
     problems: list[str] = field(default_factory=list)
+    model_params: int = 0
+    """The actor's total parameter count (vision tower included)."""
+    vision_params: int = 0
+    """Of which the vision tower and merger (0 for text models)."""
 
     @property
     def peak(self) -> Phase:
@@ -218,7 +231,7 @@ def _stage_params(arch: ModelArch, pp: int) -> list[int]:
         return [c.total]
     # A tied LM head keeps a copy of the embedding on the last stage.
     last_output = c.embedding if (arch.tie_word_embeddings and not value_head) else c.output
-    return [layers + c.embedding, layers + c.final_norm + last_output]
+    return [layers + c.embedding + c.vision, layers + c.final_norm + last_output]
 
 
 def _micro_tokens(cfg: DictConfig, spec_key: str, seq: int) -> float:
@@ -381,6 +394,8 @@ def plan_memory(
         roles=list(roles.values()),
         rollout=rollout,
         phases=phases,
+        model_params=count_parameters(archs["actor"][0]).total,
+        vision_params=count_parameters(archs["actor"][0]).vision,
     )
     for phase in phases:
         if phase.total > gpu:
@@ -407,9 +422,10 @@ def _gib(value: float) -> str:
 
 def format_plan(plan: MemoryPlan, title: str = "") -> str:
     """The plan as a plain-text table (GiB per GPU)."""
-    lines = []
-    if title:
-        lines.append(f"memory plan: {title}")
+    total = f"{_count(plan.model_params)} parameters"
+    if plan.vision_params:
+        total += f", of which vision tower {_count(plan.vision_params)}"
+    lines = [f"memory plan: {title} ({total})" if title else f"memory plan ({total})"]
     lines.append(
         f"world {plan.world} GPUs x {plan.gpu_memory / GIB:.0f} GiB; sequence {plan.sequence_tokens} tokens "
         "(prompt + response); GiB per GPU, worst pipeline stage"

@@ -1,11 +1,13 @@
 """Build megatron-core ``GPTModel`` chunks from a ``ModelArch``.
 
 ``build_gpt_model(arch, parallel)`` returns this rank's model chunks: one per
-virtual pipeline stage (a single chunk without VPP). Every chunk is a plain
-megatron-core ``GPTModel``, so megatron's DDP, optimizers, schedules and
-distributed checkpointing apply unchanged. Layer implementations are chosen
-here and nowhere else: transformer-engine modules on GPU, megatron's local
-(pure PyTorch) modules on CPU.
+virtual pipeline stage (a single chunk without VPP). Every chunk of a text
+model is a plain megatron-core ``GPTModel``; a vision-language model's chunk is
+a ``VisionLanguageModel`` around such a ``GPTModel`` (M-RoPE), holding the
+vision tower on the first chunk of the first stage. Either way megatron's DDP,
+optimizers, schedules and distributed checkpointing apply unchanged. Layer
+implementations are chosen here (and, for the tower, in ``vision.py``):
+transformer-engine modules on GPU, megatron's local (pure PyTorch) modules on CPU.
 
 The caller sets up parallelism first (``platform.init_model_parallel``) and
 passes the same sizes in ``ParallelConfig``; the builder checks they agree, so
@@ -26,6 +28,9 @@ from megatron.core.transformer import TransformerConfig
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.heads import attach_scalar_head
+from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
+from rlhf_megatron.models.vision_language import VisionLanguageModel
+from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
 from rlhf_megatron.platform import is_cuda
 
 __all__ = ["ParallelConfig", "build_gpt_model", "build_transformer_config", "use_transformer_engine"]
@@ -91,6 +96,15 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
         raise ValueError(
             f"{arch.architecture}: intermediate_size ({arch.ffn_hidden_size}) is not divisible by TP {tp}"
         )
+    if arch.vision is not None and arch.vision.num_heads % tp:
+        raise ValueError(
+            f"{arch.architecture}: vision_config.num_heads ({arch.vision.num_heads}) is not divisible by TP {tp}"
+        )
+    if arch.vision is not None and parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"{arch.architecture}: context parallelism is not supported for vision-language models "
+            "(the image embeddings go in before the sequence is split); use context_parallel_size=1"
+        )
     if vpp is not None and pp == 1:
         raise ValueError("virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
     if arch.num_layers % (pp * (vpp or 1)):
@@ -144,6 +158,8 @@ def build_transformer_config(
         use_cpu_initialization=not is_cuda(),
         perform_initialization=init_weights,
     )
+    if arch.mrope_section is not None:
+        kwargs["mrope_section"] = list(arch.mrope_section)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -187,13 +203,17 @@ def build_gpt_model(
     init_weights: bool = True,
     use_te: bool | None = None,
     head_seed: int = 0,
+    freeze_vision_tower: bool = False,
     **config_overrides,
-) -> list[GPTModel]:
+) -> list[GPTModel | VisionLanguageModel]:
     """This rank's model chunks (one per virtual pipeline stage), built for ``arch.head``.
 
     ``init_weights=False`` skips megatron's random initialisation (parameters
     are allocated but left as is) for models whose weights are loaded next.
-    ``head_seed`` seeds the critic/reward head so it is identical on all ranks.
+    ``head_seed`` seeds the critic/reward head (and a vision tower's replicated
+    patch embedding) so it is identical on all ranks. ``freeze_vision_tower``:
+    the vision tower's parameters get no gradients (see
+    ``vision_language.freeze_vision_tower``).
     """
     use_te = use_transformer_engine() if use_te is None else use_te
     _check_parallel(arch, parallel, use_te)
@@ -201,6 +221,7 @@ def build_gpt_model(
     spec = _layer_spec(arch, use_te)
     vpp = parallel.virtual_pipeline_model_parallel_size
     lm = arch.head == "lm"
+    vl = arch.vision is not None
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -214,11 +235,20 @@ def build_gpt_model(
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=lm and arch.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="mrope" if vl else "rope",
+            # A vision-language wrapper scatters the embeddings itself, after writing the images in.
+            scatter_embedding_sequence_parallel=not vl,
             vp_stage=stage,
             **_rope_kwargs(arch),
         )
         if post and not lm:
             attach_scalar_head(model, bias=arch.head_bias, seed=head_seed)
+        if vl:
+            # The tower lives with the embedding: first chunk of the first stage only.
+            vision_config = vision_transformer_config(arch.vision, config)
+            vision = VisionTransformer(arch.vision, vision_config, use_te, head_seed) if pre else None
+            model = VisionLanguageModel(arch, model, vision)
+            if freeze_vision_tower:
+                freeze_vision(model)
         chunks.append(model)
     return chunks

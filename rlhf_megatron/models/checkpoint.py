@@ -67,8 +67,14 @@ HF_SIDE_FILE_PATTERNS = (
     "merges.txt",
     "chat_template*",
     "*.tiktoken",
+    # Vision-language models: the image processor (and its processor wrapper) load from these.
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
-_LAYERS_PREFIX = "decoder.layers."
+# Layer-stacked tensors of the dist-checkpoint: the decoder's, the vision tower's
+# (``vision_model.decoder.layers.``) and a vision-language model's language model's.
+_LAYERS = "decoder.layers."
 
 
 class CheckpointError(ValueError):
@@ -307,16 +313,22 @@ def checkpoint_tensor_specs(ckpt_dir: str | Path) -> list[TensorSpec]:
     for key, sh in metadata.items():
         if key.startswith("optimizer."):
             continue
-        if key.startswith(_LAYERS_PREFIX):
+        at = key.find(_LAYERS)
+        if at >= 0:
+            prefix, rest = key[: at + len(_LAYERS)], key[at + len(_LAYERS) :]
             n = sh.global_shape[0]
             for i in range(n):
-                name = f"{_LAYERS_PREFIX}{i}.{key[len(_LAYERS_PREFIX) :]}"
-                layers.append(TensorSpec(name, key, i, n, tuple(sh.global_shape[1:]), sh.dtype))
+                layers.append(
+                    TensorSpec(f"{prefix}{i}.{rest}", key, i, n, tuple(sh.global_shape[1:]), sh.dtype)
+                )
         else:
-            (head if key.startswith("embedding.") else tail).append(
+            first = key.startswith(("embedding.", "language_model.embedding.", "vision_model."))
+            (head if first else tail).append(
                 TensorSpec(key, key, None, None, tuple(sh.global_shape), sh.dtype)
             )
-    layers.sort(key=lambda t: t.layer)  # stable: keeps the key order within a layer
+    # Vision blocks before the language model's layers, each in layer order (stable: keeps the
+    # key order within a layer).
+    layers.sort(key=lambda t: (not t.key.startswith("vision_model."), t.layer))
     return head + layers + tail
 
 

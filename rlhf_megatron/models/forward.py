@@ -19,6 +19,14 @@ Megatron's rotary embedding uses positions ``0..S-1`` for every row whatever
 then sit at positions shifted by the pad count; RoPE scores depend only on
 position *differences*, so attention among valid tokens is unchanged
 (equal to HF with ``position_ids`` from the mask, up to float rounding).
+M-RoPE (vision-language models) does use ``position_ids``: ``[B, 3, S]``
+batch-first as in ``Batch`` (``data.rope_index.get_rope_index``), transposed
+here to megatron's ``[3, B, S]``, so left padding is handled exactly.
+
+Multimodal inputs: ``pixel_values`` ``[num_patches, C·T·P·P]`` and
+``image_grid_thw`` ``[num_images, 3]``, concatenated over the batch's rows in
+row order; ``forward_logits_or_values`` hands each micro-batch its rows' images
+(``multimodal.select_rows``).
 """
 
 from __future__ import annotations
@@ -70,16 +78,60 @@ def model_forward(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    *,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One chunk on one micro-batch (inside a megatron ``forward_step_func``).
+
+    ``position_ids``: ``[B, S]``, or ``[B, 3, S]`` M-RoPE positions for a
+    vision-language chunk (computed from the tokens and grids when None; text
+    positions are repeated over the three streams). ``pixel_values`` /
+    ``image_grid_thw``: this micro-batch's images (vision-language only).
 
     Returns what the chunk returns: on the last stage logits ``[B, S, V_pad/tp]``
     (this TP rank's vocabulary shard) or values ``[B, S, 1]``; elsewhere the
     hidden states sent to the next stage.
     """
+    from rlhf_megatron.models.vision_language import vision_language_model
+
+    mask = build_attention_mask(attention_mask, sliding_window)
+    vl = vision_language_model(chunk)
+    if vl is None:
+        if pixel_values is not None or (position_ids is not None and position_ids.dim() != 2):
+            raise ValueError(
+                "model_forward: images or [B, 3, S] M-RoPE positions were given to a text-only model"
+            )
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        return chunk(input_ids, position_ids, mask)
+    position_ids = _mrope_positions(vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
+    pos = position_ids.transpose(0, 1).contiguous()  # (3, B, S), megatron's layout
+    return chunk(input_ids, pos, mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+
+def _mrope_positions(
+    vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw
+) -> torch.Tensor:
+    """``[B, 3, S]`` positions for a vision-language model."""
     if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
-    return chunk(input_ids, position_ids, build_attention_mask(attention_mask, sliding_window))
+        from rlhf_megatron.data.rope_index import get_rope_index
+
+        return get_rope_index(
+            input_ids,
+            attention_mask,
+            image_grid_thw,
+            image_token_id=vl.image_token_id,
+            spatial_merge_size=vl.spatial_merge_size,
+        )
+    if position_ids.dim() == 3:
+        return position_ids
+    if pixel_values is not None:
+        raise ValueError(
+            "model_forward: a batch with images needs M-RoPE position_ids [B, 3, S] "
+            "(data.rope_index.get_rope_index), not [B, S] text positions"
+        )
+    return position_ids[:, None].expand(-1, 3, -1)  # text only: the three streams coincide
 
 
 def forward_logits_or_values(
@@ -90,11 +142,15 @@ def forward_logits_or_values(
     *,
     sliding_window: int | None = None,
     micro_batch_size: int | None = None,
+    pixel_values: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Forward-only pass over all pipeline stages; the output on the last stage, None elsewhere.
 
-    ``input_ids``/``attention_mask``/``position_ids``: ``[B, S]`` on every rank
-    of the model-parallel group. Returns, on the last pipeline stage:
+    ``input_ids``/``attention_mask``: ``[B, S]`` on every rank of the
+    model-parallel group; ``position_ids`` ``[B, S]`` or ``[B, 3, S]`` (M-RoPE).
+    ``pixel_values``/``image_grid_thw``: the batch's images, rows in order
+    (vision-language models). Returns, on the last pipeline stage:
 
     - LM head: logits ``[B, S, V_pad / tp]``, this TP rank's vocabulary shard
       (feed it to ``vocab_parallel_log_probs``/``vocab_parallel_entropy``);
@@ -109,7 +165,12 @@ def forward_logits_or_values(
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
     batch, seq = input_ids.shape
-    if position_ids is None:
+    row_images = _row_images(chunks[0], input_ids, attention_mask, pixel_values, image_grid_thw)
+    if position_ids is None and row_images is not None:
+        position_ids = _mrope_positions(
+            row_images[0], input_ids, attention_mask, None, pixel_values, image_grid_thw
+        )
+    elif position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if micro_batch_size is None:
@@ -122,18 +183,21 @@ def forward_logits_or_values(
             f"the interleaved (VPP) schedule needs at least PP={pp} micro-batches, got {num_micro}; "
             "use a smaller micro_batch_size or a larger batch"
         )
-    micro = [
-        (
-            input_ids[k : k + micro_batch_size],
-            attention_mask[k : k + micro_batch_size],
-            position_ids[k : k + micro_batch_size],
+    micro = []
+    for k in range(0, batch, micro_batch_size):
+        rows = range(k, min(k + micro_batch_size, batch))
+        images = (None, None)
+        if row_images is not None:
+            from rlhf_megatron.models.multimodal import select_rows
+
+            images = select_rows(pixel_values, image_grid_thw, row_images[1], rows)
+        micro.append(
+            (input_ids[k : rows.stop], attention_mask[k : rows.stop], position_ids[k : rows.stop], *images)
         )
-        for k in range(0, batch, micro_batch_size)
-    ]
 
     def step(data_iter, chunk):
-        ids, mask, pos = next(data_iter)
-        out = model_forward(chunk, ids, mask, pos, sliding_window)
+        ids, mask, pos, pixels, grids = next(data_iter)
+        out = model_forward(chunk, ids, mask, pos, sliding_window, pixel_values=pixels, image_grid_thw=grids)
         # The schedule hands what the loss function returns to the caller on the last stage.
         return out, lambda output: (output.new_zeros(()), {"output": output.detach()})
 
@@ -153,12 +217,29 @@ def forward_logits_or_values(
     return out.squeeze(-1) if out.shape[-1] == 1 and _is_scalar_head(chunks[-1]) else out
 
 
+def _row_images(chunk, input_ids, attention_mask, pixel_values, image_grid_thw):
+    """For a vision-language model: ``(the model, each row's image range)``, checked; else None."""
+    from rlhf_megatron.models.multimodal import check_pixel_values, images_per_row
+    from rlhf_megatron.models.vision_language import vision_language_model
+
+    vl = vision_language_model(chunk)
+    if vl is None:
+        if pixel_values is not None:
+            raise ValueError("forward_logits_or_values: pixel_values were given to a text-only model")
+        return None
+    rows = images_per_row(input_ids, image_grid_thw, vl.image_token_id, vl.spatial_merge_size)
+    if pixel_values is not None:
+        check_pixel_values(pixel_values, image_grid_thw, vl.patch_dim)
+    return vl, rows
+
+
 def _is_scalar_head(chunk: torch.nn.Module) -> bool:
     from rlhf_megatron.models.heads import ScalarHead
 
     inner = chunk
     while hasattr(inner, "module"):  # DDP / Float16Module wrappers
         inner = inner.module
+    inner = getattr(inner, "language_model", inner)  # a vision-language chunk's GPTModel
     return isinstance(getattr(inner, "output_layer", None), ScalarHead)
 
 

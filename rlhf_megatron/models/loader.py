@@ -18,9 +18,9 @@ import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
-from rlhf_megatron.models.spec import hf_names, hf_to_mcore, local_to_global_layer
+from rlhf_megatron.models.spec import hf_names, hf_source, hf_to_mcore, local_to_global_layer
 
-__all__ = ["LoadReport", "load_hf_weights", "unwrap_model"]
+__all__ = ["LoadReport", "is_scalar_head_param", "load_hf_weights", "unwrap_model"]
 
 
 @dataclass
@@ -32,8 +32,14 @@ class LoadReport:
     """Head parameters absent from the checkpoint (a critic started from an LM): left at their init."""
 
 
+def is_scalar_head_param(name: str, arch: ModelArch) -> bool:
+    """A critic/reward head parameter, which an LM checkpoint does not have (it keeps its init)."""
+    return arch.head != "lm" and name.removeprefix("language_model.").startswith("output_layer.")
+
+
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside megatron's DDP / Float16Module wrappers."""
+    """The model chunk (``GPTModel`` or ``VisionLanguageModel``) inside megatron's DDP /
+    Float16Module wrappers."""
     while hasattr(module, "module"):
         module = module.module
     return module
@@ -76,7 +82,8 @@ def load_hf_weights(
     tp_rank, tp_size, pp_rank, pp_size, vpp_size = _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size)
     if vpp_size is not None and len(chunks) != vpp_size:
         raise ValueError(f"load_hf_weights: got {len(chunks)} model chunks for VPP size {vpp_size}")
-    source = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint(hf_dir)
+    checkpoint = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint(hf_dir)
+    source = hf_source(checkpoint, arch)  # also finds a family's alternative HF names
     work = []
     for vp_stage, chunk in enumerate(chunks):
         for local_name, param in unwrap_model(chunk).named_parameters():
@@ -93,11 +100,11 @@ def load_hf_weights(
         sources = hf_names(global_name, arch)
         missing = [s for s in sources if s not in source]
         if missing:
-            if global_name.startswith("output_layer.") and arch.head != "lm":
+            if is_scalar_head_param(global_name, arch):
                 report.kept_initialised.append(global_name)
                 continue
             raise HFCheckpointError(
-                f"megatron parameter {global_name} needs HF tensor(s) {missing}, which {source.dir} does not "
+                f"megatron parameter {global_name} needs HF tensor(s) {missing}, which {checkpoint.dir} does not "
                 f"contain; is the checkpoint a complete {arch.architecture}?"
             )
         shard = hf_to_mcore(global_name, arch, source, tp_rank, tp_size)

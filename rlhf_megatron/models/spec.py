@@ -1,4 +1,4 @@
-"""HF ⇄ megatron-core parameter spec: one declarative table, one engine.
+"""HF ⇄ megatron-core parameter spec: declarative tables (``spec_rules.py``), one engine (here).
 
 Every megatron parameter of a supported model is described by one
 ``ParamRule``: its megatron name(s), the HF tensor(s) it is made from, the
@@ -10,18 +10,20 @@ Two directions, both pure (no processes, no megatron import):
 
 - ``hf_to_mcore(name, arch, source, tp_rank, tp_size)``: the TP shard of one
   megatron parameter, reading only the rows/columns it needs from ``source``
-  (a ``TensorSource``, e.g. safetensors slices). Used by ``loader.py``.
+  (a ``TensorSource``, e.g. safetensors slices; wrap it in ``hf_source`` so a
+  family's alternative HF names are found). Used by ``loader.py``.
 - ``mcore_to_hf(name, full, arch)``: the HF tensors for one FULL megatron
   tensor. "Full" means the TP-independent layout that megatron's distributed
-  checkpoint stores; for every parameter but ``linear_fc1`` it is the plain
-  concatenation of the TP shards along ``tp_partition_dim``. ``linear_fc1``
-  (gate/up, SwiGLU) is ``[gate; up]`` in full, but each TP rank holds
+  checkpoint stores; for every parameter but ``linear_fc1`` (SwiGLU) it is the
+  plain concatenation of the TP shards along ``tp_partition_dim``.
+  ``linear_fc1`` is ``[gate; up]`` in full, but each TP rank holds
   ``[gate_r; up_r]``, so use ``gather_tp_shards`` / ``split_tp_shard`` (or the
   slices from ``tp_shard_slices``) rather than a bare ``torch.cat``.
 
 Names use *global* layer numbers (``decoder.layers.3.…``); a model chunk's
 own names are local to its pipeline stage: ``local_to_global_layer`` and
-friends (from ``stages.py``, re-exported here) translate.
+friends (from ``stages.py``, re-exported here) translate. Vision blocks
+(``vision_model.decoder.layers.{block}.…``) are never split over stages.
 Both megatron spellings of the fused norms are accepted: the local layer spec
 (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) and the
 transformer-engine spec / distributed checkpoint
@@ -31,25 +33,34 @@ Megatron layouts handled here:
 
 - QKV: ``linear_qkv`` is ``[groups × (q_per_group + 2) × head_dim, hidden]``:
   for each key/value group, its query heads, then its key head, then its value
-  head. TP splits whole groups. Biases follow the same row order.
-- Vocabulary: megatron's embedding and output layer have
-  ``arch.padded_vocab_size(tp)`` rows; the extra rows are zero on import and
-  trimmed on export.
+  head. TP splits whole groups. Biases follow the same row order. HF stores
+  q, k and v apart (language models) or fused as ``[q; k; v]`` (vision blocks,
+  one group per head).
+- Padding: megatron's embedding and output layer have
+  ``arch.padded_vocab_size(tp)`` rows, the vision MLP
+  ``vision.padded_intermediate_size(tp)``; the extra rows (columns for
+  ``linear_fc2``) are zero on import and trimmed on export.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.models.stages import StageError, global_to_local_layer, layer_offset, local_to_global_layer
+from rlhf_megatron.models.spec_rules import SPECS, ArchSpec, Layout, ParamRule
+from rlhf_megatron.models.stages import (
+    StageError,
+    global_to_local_layer,
+    layer_offset,
+    local_to_global_layer,
+    param_owner,
+)
 
 __all__ = [
     "ArchSpec",
@@ -65,12 +76,14 @@ __all__ = [
     "get_arch_spec",
     "global_to_local_layer",
     "hf_names",
+    "hf_source",
     "hf_to_mcore",
     "layer_offset",
     "local_to_global_layer",
     "mcore_full_shape",
     "mcore_param_names",
     "mcore_to_hf",
+    "param_owner",
     "split_tp_shard",
     "tp_partition_dim",
     "tp_shard_slices",
@@ -79,46 +92,6 @@ __all__ = [
 
 class SpecError(ValueError):
     """A name, shape or size does not fit the spec; the message says which and why."""
-
-
-class Layout(enum.Enum):
-    """How the HF tensors of a rule become the megatron tensor."""
-
-    COPY = "copy"  # one HF tensor, same layout
-    QKV = "qkv"  # HF q, k, v -> megatron's group-interleaved linear_qkv
-    GATE_UP = "gate_up"  # HF gate, up -> [gate; up] (TP shard: [gate_r; up_r])
-    VOCAB = "vocab"  # HF [V, h] -> [padded V, h], zero rows appended
-
-
-ShapeFn = Callable[[ModelArch, int], tuple[int, ...]]
-
-
-@dataclass(frozen=True)
-class ParamRule:
-    """One megatron parameter and the HF tensors it corresponds to."""
-
-    mcore: tuple[str, ...]
-    """Megatron name templates (``{layer}`` = global layer); the first is the
-    local-spec name, a second one the transformer-engine/checkpoint name."""
-    hf: tuple[str, ...]
-    """HF name templates, in the order ``Layout`` expects (q, k, v / gate, up)."""
-    layout: Layout
-    tp_dim: int | None
-    """Dim along which TP splits the parameter; None = replicated on every TP rank."""
-    shape: ShapeFn
-    """Full megatron shape for ``(arch, tp_size)`` (tp matters only for vocabulary padding)."""
-    when: Callable[[ModelArch], bool] = lambda arch: True
-    """Whether the parameter exists for this arch (biases, q/k norms, which head)."""
-    exported: bool = True
-    """False for parameters that are read from HF but not written back (tied LM head)."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """The rule table for a family of HF architectures."""
-
-    model_types: tuple[str, ...]
-    rules: tuple[ParamRule, ...]
 
 
 @dataclass(frozen=True)
@@ -134,6 +107,8 @@ class ShardSlice:
 
 class TensorSource(Protocol):
     """Where ``hf_to_mcore`` reads HF tensors from (whole or by slice)."""
+
+    def __contains__(self, name: str) -> bool: ...
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
@@ -172,173 +147,92 @@ class DictTensorSource:
         return name
 
 
-# -- the rule table ------------------------------------------------------------
+class _AliasedSource:
+    """A ``TensorSource`` that finds each spec name under the family's alternative prefixes too.
 
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
+    Other attributes (e.g. ``HFCheckpoint.dir``) pass through to the wrapped source.
+    """
+
+    def __init__(self, source: TensorSource, aliases: tuple[tuple[str, str], ...]):
+        self._source = source
+        self._aliases = aliases
+
+    def _find(self, name: str) -> str:
+        if name in self._source:
+            return name
+        for prefix, alternative in self._aliases:
+            if name.startswith(prefix) and alternative + name[len(prefix) :] in self._source:
+                return alternative + name[len(prefix) :]
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self._find(name) in self._source
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(self._find(name))
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        return self._source.read(self._find(name), dim, start, stop)
+
+    def where(self, name: str) -> str:
+        return self._source.where(self._find(name))
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):  # not set yet (copying, unpickling): do not recurse
+            raise AttributeError(attr)
+        return getattr(self._source, attr)
 
 
-def _qkv_rows(a: ModelArch) -> int:
-    return (a.num_attention_heads + 2 * a.num_kv_heads) * a.head_dim
-
-
-_DECODER_RULES: tuple[ParamRule, ...] = (
-    ParamRule(
-        ("embedding.word_embeddings.weight",),
-        ("model.embed_tokens.weight",),
-        Layout.VOCAB,
-        0,
-        lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-    ),
-    ParamRule(
-        (_L + "input_layernorm.weight", _L + "self_attention.linear_qkv.layer_norm_weight"),
-        (_H + "input_layernorm.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (a.hidden_size,),
-    ),
-    ParamRule(
-        (_L + "self_attention.linear_qkv.weight",),
-        tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"),
-        Layout.QKV,
-        0,
-        lambda a, tp: (_qkv_rows(a), a.hidden_size),
-    ),
-    ParamRule(
-        (_L + "self_attention.linear_qkv.bias",),
-        tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"),
-        Layout.QKV,
-        0,
-        lambda a, tp: (_qkv_rows(a),),
-        when=lambda a: a.qkv_bias,
-    ),
-    ParamRule(
-        (_L + "self_attention.q_layernorm.weight",),
-        (_H + "self_attn.q_norm.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (a.head_dim,),
-        when=lambda a: a.qk_norm,
-    ),
-    ParamRule(
-        (_L + "self_attention.k_layernorm.weight",),
-        (_H + "self_attn.k_norm.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (a.head_dim,),
-        when=lambda a: a.qk_norm,
-    ),
-    ParamRule(
-        (_L + "self_attention.linear_proj.weight",),
-        (_H + "self_attn.o_proj.weight",),
-        Layout.COPY,
-        1,
-        lambda a, tp: (a.hidden_size, a.num_attention_heads * a.head_dim),
-    ),
-    ParamRule(
-        (_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight"),
-        (_H + "post_attention_layernorm.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (a.hidden_size,),
-    ),
-    ParamRule(
-        (_L + "mlp.linear_fc1.weight",),
-        (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-        Layout.GATE_UP,
-        0,
-        lambda a, tp: (2 * a.ffn_hidden_size, a.hidden_size),
-    ),
-    ParamRule(
-        (_L + "mlp.linear_fc2.weight",),
-        (_H + "mlp.down_proj.weight",),
-        Layout.COPY,
-        1,
-        lambda a, tp: (a.hidden_size, a.ffn_hidden_size),
-    ),
-    ParamRule(
-        ("decoder.final_layernorm.weight",),
-        ("model.norm.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (a.hidden_size,),
-    ),
-    ParamRule(
-        ("output_layer.weight",),
-        ("lm_head.weight",),
-        Layout.VOCAB,
-        0,
-        lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-        when=lambda a: a.head == "lm" and not a.tie_word_embeddings,
-    ),
-    # Tied embeddings: the last pipeline stage keeps its own copy of the
-    # embedding as output layer (megatron syncs the two); it is loaded from the
-    # embedding and not exported, as HF stores the tensor once.
-    ParamRule(
-        ("output_layer.weight",),
-        ("model.embed_tokens.weight",),
-        Layout.VOCAB,
-        0,
-        lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-        when=lambda a: a.head == "lm" and a.tie_word_embeddings,
-        exported=False,
-    ),
-    # Critic / reward model: a one-output head, replicated on every TP rank
-    # (see heads.py), stored like HF's *ForTokenClassification / *ForSequenceClassification.
-    ParamRule(
-        ("output_layer.weight",),
-        ("score.weight",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (1, a.hidden_size),
-        when=lambda a: a.head != "lm",
-    ),
-    ParamRule(
-        ("output_layer.bias",),
-        ("score.bias",),
-        Layout.COPY,
-        None,
-        lambda a, tp: (1,),
-        when=lambda a: a.head != "lm" and a.head_bias,
-    ),
-)
-
-# Llama, Mistral, Qwen2 and Qwen3 share HF's Llama naming; their differences
-# (qkv bias, q/k norm) are switches on ModelArch that the table's `when`s read.
-_SPECS: dict[str, ArchSpec] = {
-    model_type: ArchSpec((model_type,), _DECODER_RULES)
-    for model_type in ("llama", "mistral", "qwen2", "qwen3")
-}
+def hf_source(source: TensorSource, arch: ModelArch) -> TensorSource:
+    """``source`` as ``hf_to_mcore`` should read it for ``arch``: a vision-language checkpoint
+    saved with ``model.visual.*`` / ``model.language_model.*`` names reads like the hub's
+    ``visual.*`` / ``model.*``. Text families need no aliases and get ``source`` back."""
+    aliases = get_arch_spec(arch).hf_aliases
+    return _AliasedSource(source, aliases) if aliases else source
 
 
 def get_arch_spec(arch: ModelArch) -> ArchSpec:
     """The rule table for ``arch``."""
     try:
-        return _SPECS[arch.model_type]
+        return SPECS[arch.model_type]
     except KeyError:
         raise SpecError(
-            f"no HF⇄mcore spec for model_type {arch.model_type!r}; have {sorted(_SPECS)}"
+            f"no HF⇄mcore spec for model_type {arch.model_type!r}; have {sorted(SPECS)}"
         ) from None
 
 
 # -- rule lookup ---------------------------------------------------------------
 
+_INDEXES = ("layer", "block")
+
 
 @functools.cache
 def _template_regex(template: str) -> re.Pattern[str]:
-    return re.compile(re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)") + r"\Z")
+    pattern = re.escape(template)
+    for index in _INDEXES:
+        pattern = pattern.replace(rf"\{{{index}\}}", rf"(?P<{index}>\d+)")
+    return re.compile(pattern + r"\Z")
+
+
+def _index_of(template: str) -> str | None:
+    """Which index a template repeats over (``layer``, ``block``), if any."""
+    return next((i for i in _INDEXES if "{" + i + "}" in template), None)
+
+
+def _count(index: str, arch: ModelArch) -> int:
+    return arch.num_layers if index == "layer" else arch.vision.depth
 
 
 @dataclass(frozen=True)
 class _Resolved:
     rule: ParamRule
-    layer: int | None
+    index: dict[str, int]
 
     def hf(self) -> tuple[str, ...]:
-        return tuple(t.format(layer=self.layer) for t in self.rule.hf)
+        return tuple(t.format(**self.index) for t in self.rule.hf)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)
 def _resolve(name: str, arch: ModelArch) -> _Resolved:
     matched_rule_absent = False
     for rule in get_arch_spec(arch).rules:
@@ -349,12 +243,16 @@ def _resolve(name: str, arch: ModelArch) -> _Resolved:
             if not rule.when(arch):
                 matched_rule_absent = True
                 continue
-            layer = int(m.group("layer")) if "layer" in m.groupdict() else None
-            if layer is not None and not 0 <= layer < arch.num_layers:
-                raise SpecError(f"{name}: layer {layer} is outside the model's {arch.num_layers} layers")
-            return _Resolved(rule, layer)
+            index = {k: int(v) for k, v in m.groupdict().items()}
+            for k, i in index.items():
+                n = _count(k, arch)
+                if not 0 <= i < n:
+                    what = "layers" if k == "layer" else "vision blocks"
+                    raise SpecError(f"{name}: {k} {i} is outside the model's {n} {what}")
+            return _Resolved(rule, index)
     why = (
-        "that parameter does not exist for this configuration (check qkv_bias / qk_norm / head / tied embeddings)"
+        "that parameter does not exist for this configuration (check qkv_bias / qk_norm / head / tied "
+        "embeddings / the vision norm and MLP kind)"
         if matched_rule_absent
         else "it is not a known parameter name (names use global layer numbers, see local_to_global_layer)"
     )
@@ -367,7 +265,7 @@ def tp_partition_dim(name: str, arch: ModelArch) -> int | None:
 
 
 def mcore_full_shape(name: str, arch: ModelArch, tp_size: int = 1) -> tuple[int, ...]:
-    """Shape of the full (TP-gathered) megatron tensor; vocabulary rows are padded for ``tp_size``."""
+    """Shape of the full (TP-gathered) megatron tensor; padded rows are counted for ``tp_size``."""
     return _resolve(name, arch).rule.shape(arch, tp_size)
 
 
@@ -379,24 +277,35 @@ def hf_names(name: str, arch: ModelArch) -> tuple[str, ...]:
 def mcore_param_names(arch: ModelArch, fused_norms: bool = False) -> list[str]:
     """All global megatron parameter names of ``arch``, in model order.
 
-    ``fused_norms`` picks the transformer-engine spelling of the per-layer
-    norms (``linear_qkv.layer_norm_weight``) over the local spec's.
+    A run of consecutive rules that repeat over layers (or vision blocks) is
+    expanded block by block, so the order is: vision tower, embedding, layer 0,
+    layer 1, …, final norm, output layer. ``fused_norms`` picks the
+    transformer-engine spelling of the per-layer norms (``linear_qkv.layer_norm_weight``)
+    over the local spec's.
     """
-    names = []
+    names: list[str] = []
+    run: list[str] = []
+    run_index: str | None = None
+
+    def flush():
+        if run:
+            names.extend(t.format(**{run_index: i}) for i in range(_count(run_index, arch)) for t in run)
+            run.clear()
+
     for rule in get_arch_spec(arch).rules:
         if not rule.when(arch):
             continue
         template = rule.mcore[-1] if fused_norms else rule.mcore[0]
-        if "{layer}" in template:
-            continue
-        names.append(template)
-    layer_rules = [r for r in get_arch_spec(arch).rules if r.when(arch) and "{layer}" in r.mcore[0]]
-    per_layer = [
-        [(r.mcore[-1] if fused_norms else r.mcore[0]).format(layer=i) for r in layer_rules]
-        for i in range(arch.num_layers)
-    ]
-    embedding, rest = names[:1], names[1:]
-    return embedding + [n for layer in per_layer for n in layer] + rest
+        index = _index_of(template)
+        if index != run_index:
+            flush()
+            run_index = index
+        if index is None:
+            names.append(template)
+        else:
+            run.append(template)
+    flush()
+    return names
 
 
 # -- TP sharding ---------------------------------------------------------------
@@ -414,8 +323,8 @@ def tp_shard_slices(name: str, arch: ModelArch, tp_rank: int, tp_size: int) -> l
     """Which rows of the full tensor TP rank ``tp_rank`` holds, and where in its shard.
 
     Empty for replicated parameters (the rank holds the whole tensor). One
-    slice for ordinary splits, two for ``linear_fc1`` (its gate rows, then its
-    up rows).
+    slice for ordinary splits, two for ``linear_fc1`` with SwiGLU (its gate rows,
+    then its up rows).
     """
     if not 0 <= tp_rank < tp_size:
         raise SpecError(f"{name}: tp_rank {tp_rank} is outside tp_size {tp_size}")
@@ -424,10 +333,13 @@ def tp_shard_slices(name: str, arch: ModelArch, tp_rank: int, tp_size: int) -> l
         return []
     full = rule.shape(arch, tp_size)[rule.tp_dim]
     if rule.layout is Layout.GATE_UP:
-        f = _divide(arch.ffn_hidden_size, tp_size, "ffn_hidden_size", name)
-        return [ShardSlice(0, 0, tp_rank * f, f), ShardSlice(0, f, arch.ffn_hidden_size + tp_rank * f, f)]
+        half = full // 2
+        what = "ffn_hidden_size" if rule.hf_size is None else "padded vision intermediate_size"
+        f = _divide(half, tp_size, what, name)
+        return [ShardSlice(0, 0, tp_rank * f, f), ShardSlice(0, f, half + tp_rank * f, f)]
     if rule.layout is Layout.QKV:
-        _divide(arch.num_kv_heads, tp_size, "num_key_value_heads", name)
+        what = "vision_config.num_heads" if name.startswith("vision_model.") else "num_key_value_heads"
+        _divide(rule.qkv(arch)[0], tp_size, what, name)
     n = _divide(full, tp_size, f"dim {rule.tp_dim}", name)
     return [ShardSlice(rule.tp_dim, 0, tp_rank * n, n)]
 
@@ -464,28 +376,29 @@ def mcore_to_hf(name: str, full: torch.Tensor, arch: ModelArch) -> list[tuple[st
     """HF tensors for one full megatron tensor (views where possible; no copies of data).
 
     Returns ``[]`` for parameters HF does not store (the tied output layer).
-    Vocabulary padding is trimmed.
+    Padding (vocabulary rows, vision MLP rows/columns) is trimmed.
     """
     resolved = _resolve(name, arch)
     rule, hf = resolved.rule, resolved.hf()
     if not rule.exported:
         return []
     if rule.layout is Layout.COPY:
+        if rule.hf_size is not None:
+            full = full.narrow(rule.tp_dim, 0, rule.hf_size(arch))
         return [(hf[0], full)]
-    if rule.layout is Layout.VOCAB:
-        return [(hf[0], full[: arch.vocab_size])]
     if rule.layout is Layout.GATE_UP:
         gate, up = full.chunk(2, dim=0)
+        if rule.hf_size is not None:
+            gate, up = gate[: rule.hf_size(arch)], up[: rule.hf_size(arch)]
         return [(hf[0], gate), (hf[1], up)]
     # QKV: [groups, (q_per_group + 2) * head_dim, ...] -> q, k, v
-    g, qpg, d = arch.num_kv_heads, arch.queries_per_group, arch.head_dim
-    grouped = full.reshape(g, (qpg + 2) * d, *full.shape[1:])
-    q, k, v = grouped.split([qpg * d, d, d], dim=1)
-    return [
-        (hf[0], q.reshape(-1, *full.shape[1:])),
-        (hf[1], k.reshape(-1, *full.shape[1:])),
-        (hf[2], v.reshape(-1, *full.shape[1:])),
-    ]
+    g, qpg, d = rule.qkv(arch)
+    rest = full.shape[1:]
+    q, k, v = full.reshape(g, (qpg + 2) * d, *rest).split([qpg * d, d, d], dim=1)
+    q, k, v = (t.reshape(-1, *rest) for t in (q, k, v))
+    if len(hf) == 1:  # fused [q; k; v] (vision blocks)
+        return [(hf[0], torch.cat([q, k, v]))]
+    return [(hf[0], q), (hf[1], k), (hf[2], v)]
 
 
 def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -502,6 +415,29 @@ def _expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         for hf_name, t in mcore_to_hf(name, meta, arch):
             shapes[hf_name] = tuple(t.shape)
     return shapes
+
+
+def _read_padded(
+    source: TensorSource,
+    hf_name: str,
+    dim: int,
+    start: int,
+    length: int,
+    hf_size: int,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """Rows ``[start, start + length)`` along ``dim`` of an HF tensor of ``hf_size`` rows there,
+    zero beyond them (megatron's padding)."""
+    stop = min(start + length, hf_size)
+    rows = source.read(hf_name, dim, start, stop) if stop > start else None
+    if rows is not None and rows.shape[dim] == length:
+        return rows
+    out_shape = list(shape)
+    out_shape[dim] = length
+    out = torch.zeros(out_shape, dtype=rows.dtype if rows is not None else torch.float32)
+    if rows is not None:
+        out.narrow(dim, 0, rows.shape[dim]).copy_(rows)
+    return out
 
 
 def hf_to_mcore(
@@ -528,27 +464,25 @@ def hf_to_mcore(
         if not slices:
             return source.read(hf[0])
         s = slices[0]
-        return source.read(hf[0], s.dim, s.full_start, s.full_start + s.length)
+        if rule.hf_size is None:
+            return source.read(hf[0], s.dim, s.full_start, s.full_start + s.length)
+        return _read_padded(source, hf[0], s.dim, s.full_start, s.length, rule.hf_size(arch), expected[hf[0]])
     if rule.layout is Layout.GATE_UP:
         f = slices[0].length
-        return torch.cat([source.read(h, 0, tp_rank * f, (tp_rank + 1) * f) for h in hf], dim=0)
-    if rule.layout is Layout.VOCAB:
-        s = slices[0]
-        stop = min(s.full_start + s.length, arch.vocab_size)
-        rows = source.read(hf[0], 0, s.full_start, stop) if stop > s.full_start else None
-        out_shape = (s.length, *expected[hf[0]][1:])
-        if rows is not None and rows.shape[0] == s.length:
-            return rows
-        out = torch.zeros(out_shape, dtype=rows.dtype if rows is not None else torch.float32)
-        if rows is not None:
-            out[: rows.shape[0]] = rows
-        return out
+        size = expected[hf[0]][0]
+        return torch.cat([_read_padded(source, h, 0, tp_rank * f, f, size, expected[h]) for h in hf], dim=0)
     # QKV: this rank owns key/value groups [g0, g0 + groups).
-    groups = arch.num_kv_heads // tp_size
-    g0, qpg, d = tp_rank * groups, arch.queries_per_group, arch.head_dim
-    q = source.read(hf[0], 0, g0 * qpg * d, (g0 + groups) * qpg * d)
-    k = source.read(hf[1], 0, g0 * d, (g0 + groups) * d)
-    v = source.read(hf[2], 0, g0 * d, (g0 + groups) * d)
+    g, qpg, d = rule.qkv(arch)
+    groups = g // tp_size
+    g0 = tp_rank * groups
+    if len(hf) == 1:  # fused [q; k; v]: the three are row ranges of one tensor
+        fused = (hf[0], hf[0], hf[0])
+        offsets = (0, g * qpg * d, g * qpg * d + g * d)
+    else:
+        fused, offsets = hf, (0, 0, 0)
+    q = source.read(fused[0], 0, offsets[0] + g0 * qpg * d, offsets[0] + (g0 + groups) * qpg * d)
+    k = source.read(fused[1], 0, offsets[1] + g0 * d, offsets[1] + (g0 + groups) * d)
+    v = source.read(fused[2], 0, offsets[2] + g0 * d, offsets[2] + (g0 + groups) * d)
     rest = q.shape[1:]
     grouped = torch.cat(
         [q.reshape(groups, qpg * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1

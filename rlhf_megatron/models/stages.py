@@ -1,4 +1,4 @@
-"""Pipeline stages: which model chunk holds which layer, and local ⇄ global layer names.
+"""Pipeline stages: which model chunk holds which parameter, and local ⇄ global layer names.
 
 A model chunk numbers its layers from 0; the HF⇄mcore spec, megatron's
 distributed checkpoints and the weight converter use global layer numbers.
@@ -6,21 +6,38 @@ Megatron's even split is assumed (no uneven first/last stages, no custom
 pipeline layout): with ``pp`` stages and ``vpp`` virtual stages the model is
 cut into ``pp × vpp`` equal chunks assigned round-robin, so chunk ``v`` of
 pipeline rank ``p`` is chunk ``v·pp + p`` (checked against megatron's
-``get_transformer_layer_offset`` in the tests). Pure functions, no megatron.
+``get_transformer_layer_offset`` in the tests).
+
+Only the language model's layers are split: ``decoder.layers.N.`` of a text
+model, ``language_model.decoder.layers.N.`` of a vision-language one. The
+vision tower (``vision_model.``, whose own blocks are also called
+``decoder.layers``) lives whole on the first chunk of pipeline rank 0, with
+the embedding; the final norm and output layer live on the last chunk of the
+last rank. Pure functions, no megatron.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["StageError", "global_to_local_layer", "layer_offset", "local_to_global_layer"]
+__all__ = [
+    "FIRST_STAGE_PREFIXES",
+    "StageError",
+    "global_to_local_layer",
+    "layer_offset",
+    "local_to_global_layer",
+    "param_owner",
+]
 
 
 class StageError(ValueError):
     """The layers do not fit the pipeline layout, or a name is outside its chunk."""
 
 
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+# The language model's layers, with or without the vision-language wrapper's prefix.
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:language_model\.)?decoder\.layers\.)(?P<layer>\d+)\.")
+FIRST_STAGE_PREFIXES = ("embedding.", "language_model.embedding.", "vision_model.")
+"""Parameters that live on the first chunk of pipeline rank 0 (besides its layers)."""
 
 
 def _layers_per_chunk(num_layers: int, pp_size: int, vpp_size: int | None) -> int:
@@ -58,26 +75,42 @@ def local_to_global_layer(
     if not m:
         return name
     per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
-    local = int(m.group(1))
+    local = int(m.group("layer"))
     if local >= per_chunk:
         raise StageError(f"{name}: local layer {local} is beyond this chunk's {per_chunk} layers")
     offset = layer_offset(num_layers, pp_rank, pp_size, vpp_rank, vpp_size)
-    return f"decoder.layers.{offset + local}.{name[m.end() :]}"
+    return f"{m.group('prefix')}{offset + local}.{name[m.end() :]}"
 
 
 def global_to_local_layer(
     name: str, num_layers: int, pp_size: int, vpp_size: int | None = None
 ) -> tuple[int | None, int | None, str]:
-    """``(pp_rank, vpp_rank, local name)`` of the chunk that owns a layer parameter.
+    """``(pp_rank, vpp_rank, local name)`` of the chunk that owns a language-model layer parameter.
 
-    Returns ``(None, None, name)`` for non-layer parameters: the embedding is
-    on the first stage, the final norm and output layer on the last one.
+    Returns ``(None, None, name)`` for every other parameter (see ``param_owner``).
     """
     m = _LAYER_RE.match(name)
     if not m:
         return None, None, name
     per_chunk = _layers_per_chunk(num_layers, pp_size, vpp_size)
-    layer = int(m.group(1))
+    layer = int(m.group("layer"))
     chunk, local = divmod(layer, per_chunk)
     vpp_rank, pp_rank = divmod(chunk, pp_size)
-    return pp_rank, (vpp_rank if vpp_size else None), f"decoder.layers.{local}.{name[m.end() :]}"
+    return pp_rank, (vpp_rank if vpp_size else None), f"{m.group('prefix')}{local}.{name[m.end() :]}"
+
+
+def param_owner(
+    name: str, num_layers: int, pp_size: int, vpp_size: int | None = None
+) -> tuple[int, int | None, str]:
+    """``(pp_rank, vpp_rank, local name)`` of the chunk holding any global parameter name.
+
+    Language-model layers follow the even split; the embedding and the whole vision
+    tower sit on the first chunk of rank 0; everything else (final norm, output layer)
+    on the last chunk of the last rank.
+    """
+    pp_rank, vpp_rank, local = global_to_local_layer(name, num_layers, pp_size, vpp_size)
+    if pp_rank is not None:
+        return pp_rank, vpp_rank, local
+    if name.startswith(FIRST_STAGE_PREFIXES):
+        return 0, (0 if vpp_size else None), name
+    return pp_size - 1, ((vpp_size - 1) if vpp_size else None), name

@@ -6,6 +6,11 @@ safetensors next to the in-process tokenizer from ``rlhf_megatron.data``.
 head_dim defaults to 64 because vLLM's CPU attention rejects 16. Keep
 ``hidden_size == num_heads * head_dim`` for Qwen2: vLLM's Qwen2 ignores
 ``head_dim`` and derives it from the hidden size.
+
+``make_tiny_qwen2_5_vl`` writes a tiny Qwen2.5-VL (or Qwen2-VL) with the tiny
+VL processor (``data.tokenizer.build_tiny_vl_processor``), so
+``AutoProcessor.from_pretrained`` and vLLM load the directory as they would a
+released checkpoint.
 """
 
 from __future__ import annotations
@@ -104,4 +109,117 @@ def make_tiny_hf_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tiny_qwen2_5_vl(
+    family: str = "qwen2_5_vl",
+    num_layers: int = 2,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    ffn_hidden_size: int = 512,
+    mrope_section: tuple[int, int, int] = (8, 12, 12),
+    vision_depth: int = 2,
+    vision_hidden_size: int = 128,
+    vision_heads: int = 4,
+    vision_intermediate_size: int | None = None,
+    window_size: int = 56,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+):
+    """A random Qwen2.5-VL (``family="qwen2_vl"``: Qwen2-VL) and the tiny VL processor:
+    ``(model, processor)``.
+
+    Defaults: vision depth 2 (block 0 windowed over 2 x 2 merged tokens, block 1 full
+    attention), width 128 in 4 heads of 32, MLP 252 (not a multiple of 8: megatron pads it;
+    Qwen2-VL: 2 x width, its config takes an integer ``mlp_ratio``);
+    a 256-wide language model of 4 heads of 64 with 2 KV heads, M-RoPE sections summing to
+    head_dim / 2. Weights are drawn N(0, 0.05), norm weights around 1 (seeded).
+    """
+    import transformers
+
+    from rlhf_megatron.data.tokenizer import build_tiny_vl_processor
+
+    if family not in ("qwen2_5_vl", "qwen2_vl"):
+        raise ValueError(f"tiny vision-language model: family {family!r} is not 'qwen2_5_vl' or 'qwen2_vl'")
+    processor = build_tiny_vl_processor()
+    tokenizer = processor.tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _VL_TOKENS.items()}
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=ffn_hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": list(mrope_section),
+        },
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    image = processor.image_processor
+    vision = dict(
+        depth=vision_depth,
+        num_heads=vision_heads,
+        patch_size=image.patch_size,
+        temporal_patch_size=image.temporal_patch_size,
+        spatial_merge_size=image.merge_size,
+    )
+    if family == "qwen2_5_vl":
+        vision.update(
+            hidden_size=vision_hidden_size,
+            intermediate_size=vision_intermediate_size or 252,
+            out_hidden_size=hidden_size,
+            window_size=window_size,
+            fullatt_block_indexes=[vision_depth - 1],
+        )
+        config_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        # Qwen2-VL: width embed_dim, MLP embed_dim x mlp_ratio, output hidden_size.
+        ratio, rest = divmod(vision_intermediate_size or 2 * vision_hidden_size, vision_hidden_size)
+        if rest:
+            raise ValueError(f"Qwen2-VL: vision_intermediate_size must be a multiple of {vision_hidden_size}")
+        vision.update(embed_dim=vision_hidden_size, mlp_ratio=ratio, hidden_size=hidden_size)
+        config_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    config = config_cls(
+        text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings, **ids
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model, processor
+
+
+_VL_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def make_tiny_qwen2_5_vl(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0, **sizes) -> Path:
+    """Write a random tiny Qwen2.5-VL (or Qwen2-VL) plus its processor and tokenizer to ``out_dir``.
+
+    ``sizes`` are ``build_tiny_qwen2_5_vl``'s (e.g. ``tie_word_embeddings=True``).
+    """
+    model, processor = build_tiny_qwen2_5_vl(family=family, seed=seed, **sizes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)
     return out_dir

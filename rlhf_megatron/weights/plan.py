@@ -23,7 +23,9 @@ For every Megatron parameter (global name) the plan records:
 Load formats:
 
 - ``hf``: full tensors with HF names; vLLM's own loader slices them. Every
-  TP-split parameter needs a gather.
+  TP-split parameter needs a gather. Vision-language models stream the vision
+  tower and merger too (owned by pipeline stage 0), under the hub's names
+  (``visual.*``, ``model.*``, ``lm_head.weight``), which vLLM maps itself.
 - ``sharded``: tensors already cut for the receiving vLLM TP rank, with
   vLLM's fused names (``qkv_proj``, ``gate_up_proj``). When rollout TP ==
   training TP, the QKV, gate/up, output-projection and down-projection shards
@@ -31,7 +33,7 @@ Load formats:
   The vocabulary does not line up (Megatron pads to a multiple of
   ``128 × tp``, vLLM to 64), so embeddings are gathered; so is everything when
   the TP sizes differ. KV heads are replicated when rollout TP exceeds them,
-  as vLLM does.
+  as vLLM does. Not available for vision-language models (refused when planned).
 
 Buckets: parameters are packed in model order into buckets of at most
 ``bucket_bytes`` (a parameter larger than that gets a bucket of its own), so
@@ -44,10 +46,10 @@ from dataclasses import dataclass, field
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import (
-    global_to_local_layer,
     mcore_full_shape,
     mcore_param_names,
     mcore_to_hf,
+    param_owner,
     tp_partition_dim,
     tp_shard_slices,
 )
@@ -144,14 +146,8 @@ class SyncPlan:
 
 
 def _owner(name: str, arch: ModelArch, layout: TrainLayout) -> tuple[int, int | None, str]:
-    """(pp_rank, vpp_rank, local name) of the chunk holding ``name``."""
-    pp_rank, vpp_rank, local = global_to_local_layer(name, arch.num_layers, layout.pp_size, layout.vpp_size)
-    if pp_rank is not None:
-        return pp_rank, vpp_rank, local
-    last_chunk = (layout.vpp_size - 1) if layout.vpp_size else None
-    if name.startswith("embedding."):
-        return 0, (0 if layout.vpp_size else None), name
-    return layout.pp_size - 1, last_chunk, name  # final norm, output layer
+    """(pp_rank, vpp_rank, local name) of the chunk holding ``name`` (a vision tower: stage 0)."""
+    return param_owner(name, arch.num_layers, layout.pp_size, layout.vpp_size)
 
 
 # -- vLLM's per-rank layout (sharded format) ------------------------------------------------------
@@ -238,6 +234,11 @@ def build_sync_plan(
         raise ValueError(f"rollout tensor_model_parallel_size={rollout_tp} must be >= 1")
     if bucket_bytes < 1:
         raise ValueError(f"update_weights_bucket_megabytes must be positive, got {bucket_bytes} bytes")
+    if load_format == "sharded" and arch.vision is not None:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.load_format=sharded is not supported for {arch.architecture} "
+            "(vLLM's per-rank layout of the vision tower is not planned); use load_format=hf"
+        )
     if load_format == "sharded" and arch.num_attention_heads % rollout_tp:
         raise ValueError(
             f"rollout tensor_model_parallel_size={rollout_tp} does not divide the "

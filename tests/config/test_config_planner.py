@@ -34,6 +34,8 @@ def _arch(preset: str) -> ModelArch:
         ("models/llama2_7b.yaml", 6.74e9),
         ("models/qwen2.5_14b.yaml", 14.77e9),
         ("models/qwen2.5_32b.yaml", 32.76e9),
+        ("models/qwen2.5_vl_7b.yaml", 8.29e9),  # vision tower included
+        ("models/qwen2.5_vl_72b.yaml", 73.4e9),
         ("examples/countdown_grpo.yaml", 3.09e9),
     ],
 )
@@ -74,6 +76,8 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
         "models/qwen2.5_32b.yaml",
         "models/qwen2.5_72b.yaml",
         "models/qwen2.5_7b.yaml",
+        "models/qwen2.5_vl_72b.yaml",
+        "models/qwen2.5_vl_7b.yaml",
     ]
 
 

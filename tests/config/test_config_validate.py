@@ -12,6 +12,18 @@ from rlhf_megatron.config import validate as V
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
+# The tiny GQA model as a Qwen2.5-VL: M-RoPE sections for head_dim 64, a 2-block vision tower.
+VL_ARCH = [
+    "model_arch.architectures=[Qwen2_5_VLForConditionalGeneration]",
+    "model_arch.model_type=qwen2_5_vl",
+    "model_arch.rope_scaling.type=mrope",
+    "model_arch.rope_scaling.mrope_section=[8,12,12]",
+    "model_arch.vision_config.depth=2",
+    "model_arch.vision_config.hidden_size=192",
+    "model_arch.vision_config.intermediate_size=342",
+    "model_arch.vision_config.out_hidden_size=256",
+    "model_arch.vision_config.fullatt_block_indexes=[1]",
+]
 
 # rule -> (overrides on top of the valid base config, substrings its message must contain)
 CASES = {
@@ -199,6 +211,37 @@ CASES = {
         [
             "actor_rollout_ref.actor.megatron.recompute_method/recompute_num_layers apply to "
             "recompute_granularity=full only (it is selective)"
+        ],
+    ),
+    V.check_vision_tp_divides_heads: (
+        [
+            *VL_ARCH,
+            "model_arch.vision_config.num_heads=3",
+            f"{A}.megatron.tensor_model_parallel_size=2",
+            f"{R}.tensor_model_parallel_size=2",
+        ],
+        [
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 must divide the vision tower's "
+            "vision_config.num_heads=3 (model_arch); use one of: 1, 3",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2 must divide the vision tower's "
+            "vision_config.num_heads=3 (model_arch)",
+        ],
+    ),
+    V.check_vision_language_options: (
+        [
+            *VL_ARCH,
+            "model_arch.vision_config.num_heads=4",
+            f"{A}.megatron.context_parallel_size=2",
+            f"{R}.load_format=sharded",
+            "data.max_pixels=1003520",
+            "data.max_prompt_length=1024",
+        ],
+        [
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism is not supported for "
+            "the vision-language Qwen2_5_VLForConditionalGeneration (model_arch); set it to 1",
+            "actor_rollout_ref.rollout.load_format=sharded is not supported for the vision-language",
+            "data.max_pixels=1003520 lets one image take 1280 prompt tokens (784 pixels each), more than "
+            "data.max_prompt_length=1024; lower max_pixels (e.g. 401408) or raise max_prompt_length",
         ],
     ),
 }

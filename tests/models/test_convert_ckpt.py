@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_megatron.convert import main
 from rlhf_megatron.models.checkpoint import CKPT_METADATA_FILE
 from rlhf_megatron.platform.multiproc import run_on_ranks
-from rlhf_megatron.tools_cli.convert import main
 
 from . import tiny_hf
 

@@ -1,0 +1,290 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower on megatron-core layers.
+
+``VisionTransformer(vision, config, use_te)`` turns ``pixel_values``
+``[num_patches, C·T·P·P]`` of some images (``grid_thw`` ``[num_images, 3]``)
+into one embedding per merged token, ``[num_patches / m², out_hidden]``, in the
+processor's token order: exactly the rows the language model's image tokens
+receive.
+
+- Patch embedding: HF's Conv3d has kernel = stride = (T, P, P) and no bias, so
+  it is a linear map of each flattened patch; the weight keeps HF's 5-D shape.
+  Replicated on every TP rank (small; its input is not split).
+- Blocks: megatron ``TransformerLayer``s (local spec on CPU, transformer-engine
+  on GPU) inside a ``TransformerBlock`` (for its layer-stacked checkpointing),
+  called one by one with their own boolean attention mask: block-diagonal per
+  frame for full-attention blocks, per window for windowed ones (Qwen2.5-VL).
+  Heads and MLP columns split over TP; the MLP is padded to
+  ``vision.padded_intermediate_size(tp)`` (zero rows/columns, exact). The tower
+  runs unsplit along the sequence (no sequence or context parallelism): its
+  sequence is the patches, of any length.
+- Window order: Qwen2.5-VL groups the patches window by window (transformers'
+  ``get_vision_window_index``) before the blocks and restores the image order
+  after the merger; full-attention blocks see the same order, their segments
+  (frames) stay contiguous in it.
+- 2-D RoPE: per patch, rotary frequencies over ``head_dim / 4`` pairs for its
+  row and as many for its column; passed to megatron as ``cat(freqs, freqs)``
+  ``[S, 1, 1, head_dim]``, which megatron's non-interleaved
+  ``apply_rotary_pos_emb`` applies as HF's ``rotate_half``.
+- Merger: norm, then ``m²`` neighbouring patches side by side through
+  fc1 -> GELU -> fc2: megatron's ``MLP`` (column-parallel fc1, row-parallel
+  fc2), so its 45M parameters (Qwen2.5-VL-7B) and their optimizer state are
+  split over TP like the blocks', with megatron's checkpoint sharding.
+
+The masks are dense ``[1, 1, S, S]`` booleans (what megatron's local attention
+takes); memory grows with the square of a micro-batch's patch count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+from rlhf_megatron.config.model_arch import VisionArch
+
+__all__ = ["VisionLayout", "VisionTransformer", "vision_layout", "vision_transformer_config"]
+
+
+def vision_transformer_config(vision: VisionArch, lm: TransformerConfig) -> TransformerConfig:
+    """The tower's megatron config: its own sizes, the language model's TP size, dtype and init."""
+    swiglu = vision.mlp == "swiglu"
+    return TransformerConfig(
+        num_layers=vision.depth,
+        hidden_size=vision.hidden_size,
+        num_attention_heads=vision.num_heads,
+        num_query_groups=vision.num_heads,
+        kv_channels=vision.head_dim,
+        ffn_hidden_size=vision.padded_intermediate_size(lm.tensor_model_parallel_size),
+        normalization="RMSNorm" if vision.norm == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=vision.norm_eps,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else quick_gelu,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=lm.init_method_std,
+        tensor_model_parallel_size=lm.tensor_model_parallel_size,
+        # Whole on the first pipeline stage, unsplit along its (patch) sequence.
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
+        params_dtype=lm.params_dtype,
+        pipeline_dtype=lm.params_dtype,
+        bf16=lm.bf16,
+        fp16=lm.fp16,
+        use_cpu_initialization=lm.use_cpu_initialization,
+        perform_initialization=lm.perform_initialization,
+    )
+
+
+# -- patch order, masks, rotary positions (pure torch) ------------------------------------
+
+
+@dataclass
+class VisionLayout:
+    """How the blocks see a set of images: patch order, attention masks, rotary frequencies."""
+
+    order: torch.Tensor | None
+    """``[S]`` patch permutation into window order (None: processor order, Qwen2-VL)."""
+    restore: torch.Tensor | None
+    """``[S / m²]`` the merged tokens' way back from window order to the processor's."""
+    full_mask: torch.Tensor
+    """``[1, 1, S, S]`` bool, True = masked: each frame of each image attends to itself."""
+    window_mask: torch.Tensor | None
+    """``[1, 1, S, S]`` bool: each window attends to itself (None without windows)."""
+    rotary: torch.Tensor
+    """``[S, 1, 1, head_dim]`` rotary angles in block order."""
+
+
+def _block_mask(lengths: list[int], device) -> torch.Tensor:
+    segment = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+    return (segment[:, None] != segment[None, :])[None, None]  # (1, 1, S, S)
+
+
+def _rotary(positions: torch.Tensor, vision: VisionArch) -> torch.Tensor:
+    """``[S, 2]`` (row, column) -> ``[S, 1, 1, head_dim]`` angles: row pairs, column pairs, repeated."""
+    half = vision.head_dim // 2
+    inv_freq = 1.0 / (vision.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+    freqs = (positions[..., None].float() * inv_freq.to(positions.device)).flatten(1)  # (S, head_dim / 2)
+    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+
+def _windows(t: int, gh: int, gw: int, win: int, offset: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Merged-token indices of one image, window by window (row-major windows of ``win x win``
+    merged tokens per frame, row-major inside), and each window's size."""
+    index = torch.arange(t * gh * gw).reshape(t, gh, gw) + offset
+    blocks = [
+        index[ti, y : y + win, x : x + win].flatten()
+        for ti in range(t)
+        for y in range(0, gh, win)
+        for x in range(0, gw, win)
+    ]
+    return blocks, [b.numel() for b in blocks]
+
+
+def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> VisionLayout:
+    """The ``VisionLayout`` of images with grids ``[num_images, 3]`` (as transformers computes it)."""
+    m = vision.spatial_merge_size
+    unit, win = m * m, vision.window_tokens
+    positions, frames, windows, window_sizes, offset = [], [], [], [], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // m, w // m
+        # Patches arrive merge-unit by merge-unit: (gh, gw, m, m) order.
+        rows = torch.arange(h)[:, None].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
+        cols = torch.arange(w)[None, :].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
+        positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+        frames += [h * w] * t
+        if win is not None:
+            blocks, sizes = _windows(t, gh, gw, win, offset)
+            windows += blocks
+            window_sizes += [s * unit for s in sizes]
+        offset += t * gh * gw
+    position = torch.cat(positions).to(device)
+    order = restore = window_mask = None
+    if win is not None:
+        merged = torch.cat(windows).to(device)  # (S / m²,) window order
+        order = (merged[:, None] * unit + torch.arange(unit, device=device)).flatten()
+        restore = torch.argsort(merged)
+        position = position[order]
+        window_mask = _block_mask(window_sizes, device)
+    return VisionLayout(order, restore, _block_mask(frames, device), window_mask, _rotary(position, vision))
+
+
+# -- modules ------------------------------------------------------------------------------
+
+
+class PatchEmbed(torch.nn.Module):
+    """HF's bias-free Conv3d over (T, P, P) patches as a linear map; weight ``[hidden, C, T, P, P]``."""
+
+    def __init__(self, vision: VisionArch, config: TransformerConfig, seed: int = 0):
+        super().__init__()
+        shape = (
+            vision.hidden_size,
+            vision.in_channels,
+            vision.temporal_patch_size,
+            vision.patch_size,
+            vision.patch_size,
+        )
+        # Where megatron puts its own parameters: the GPU unless it initialises on CPU.
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            # Replicated over TP: the same values on every rank, not from megatron's per-rank stream.
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                self.weight.copy_(torch.randn(shape, generator=g) * config.init_method_std)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return F.linear(pixel_values.to(self.weight.dtype), self.weight.flatten(1))  # (S, hidden)
+
+
+def _specs(vision: VisionArch, use_te: bool):
+    """(block layer spec, norm class, column-parallel linear, row-parallel linear) for this device."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TENorm,
+            TERowParallelLinear,
+        )
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+        return spec, TENorm, TEColumnParallelLinear, TERowParallelLinear
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    rms = vision.norm == "rmsnorm"
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if rms else "LayerNorm")
+    # Bidirectional attention inside each image/window: the mask we pass is the whole story.
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding
+    return spec, LocalSpecProvider().layer_norm(rms_norm=rms), ColumnParallelLinear, RowParallelLinear
+
+
+# Config fields the merger shares with the blocks (sizes and activation are its own).
+_INHERITED = (
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "normalization",
+    "layernorm_epsilon",
+    "add_bias_linear",
+    "hidden_dropout",
+    "attention_dropout",
+    "init_method_std",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+    "params_dtype",
+    "pipeline_dtype",
+    "bf16",
+    "fp16",
+    "use_cpu_initialization",
+    "perform_initialization",
+)
+
+
+class PatchMerger(MegatronModule):
+    """Norm, then ``m²`` neighbouring patches side by side through fc1 -> GELU -> fc2 (megatron's MLP)."""
+
+    def __init__(self, vision: VisionArch, config: TransformerConfig, norm, column, row):
+        super().__init__(config=config)
+        self.merged = vision.merged_hidden_size
+        self.ln_q = build_module(norm, config=config, hidden_size=vision.hidden_size, eps=vision.norm_eps)
+        mlp_config = TransformerConfig(
+            **{
+                **{f: getattr(config, f) for f in _INHERITED},
+                "hidden_size": vision.out_hidden_size,
+                "ffn_hidden_size": self.merged,
+                "num_layers": 1,
+                "gated_linear_unit": False,
+                "activation_func": F.gelu,  # exact (erf) GELU, as torch.nn.GELU()
+            }
+        )
+        self.mlp = MLP(mlp_config, MLPSubmodules(linear_fc1=column, linear_fc2=row), input_size=self.merged)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = self.ln_q(patches).reshape(-1, 1, self.merged)  # (S / m², 1, m² hidden)
+        out, bias = self.mlp(x)
+        return (out if bias is None else out + bias)[:, 0]  # (S / m², out_hidden)
+
+
+class VisionTransformer(MegatronModule):
+    """Patch embedding, ``depth`` blocks and the merger (see the module docstring)."""
+
+    def __init__(self, vision: VisionArch, config: TransformerConfig, use_te: bool, seed: int = 0):
+        super().__init__(config=config)
+        self.vision = vision
+        spec, norm, column, row = _specs(vision, use_te)
+        self.patch_embed = PatchEmbed(vision, config, seed)
+        self.decoder = TransformerBlock(
+            config, spec, post_layer_norm=False, pre_process=True, post_process=False
+        )
+        self.merger = PatchMerger(vision, config, norm, column, row)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``[S, C·T·P·P]`` patches of images ``[N, 3]`` -> ``[S / m², out_hidden]`` merged tokens."""
+        layout = vision_layout(grid_thw, self.vision, pixel_values.device)
+        hidden = self.patch_embed(pixel_values)  # (S, hidden)
+        if layout.order is not None:
+            hidden = hidden[layout.order]
+        hidden = hidden[:, None]  # (S, 1, hidden): megatron's [s, b, h]
+        for block, layer in enumerate(self.decoder.layers):
+            full = self.vision.full_attention(block) or layout.window_mask is None
+            mask = layout.full_mask if full else layout.window_mask
+            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=layout.rotary)
+        merged = self.merger(hidden[:, 0])
+        return merged if layout.restore is None else merged[layout.restore]

@@ -1,0 +1,134 @@
+"""A vision-language model (Qwen2-VL, Qwen2.5-VL) as one megatron module per pipeline chunk.
+
+``VisionLanguageModel`` holds ``language_model``, a plain megatron-core
+``GPTModel`` with M-RoPE, and ``vision_model`` (``vision.py``) on the first
+chunk of the first pipeline stage only. On that chunk it embeds the tokens,
+runs the vision tower on the micro-batch's images, writes the image embeddings
+into the ``image_token_id`` positions (row-major, as HF's ``masked_scatter``)
+and hands the result to the language model as ``decoder_input``; on every
+other chunk it is the language model.
+
+Megatron's machinery sees an ordinary model chunk: DDP and the optimizers take
+its parameters, the pipeline schedules call ``set_input_tensor`` (delegated),
+``finalize_model_grads`` finds ``pre_process`` and the shared embedding, and
+``sharded_state_dict`` composes the children's (``language_model.*``,
+``vision_model.*``). Parameter names follow: ``language_model.decoder.layers.N.…``
+and ``vision_model.decoder.layers.B.…`` (see ``spec_rules.py``).
+
+``freeze_vision_tower`` turns the tower's gradients off; call it before
+wrapping the chunks in megatron's DDP so neither DDP nor the optimizer holds
+state for it. A frozen tower then runs without autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+
+from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.models.multimodal import check_pixel_values, images_per_row, scatter_image_embeddings
+from rlhf_megatron.models.vision import VisionTransformer
+
+__all__ = ["VisionLanguageModel", "freeze_vision_tower", "vision_language_model"]
+
+
+class VisionLanguageModel(MegatronModule):
+    """One pipeline chunk of a vision-language model (see the module docstring)."""
+
+    def __init__(self, arch: ModelArch, language_model: GPTModel, vision_model: VisionTransformer | None):
+        super().__init__(config=language_model.config)
+        if language_model.pre_process and vision_model is None:
+            raise ValueError("the chunk that embeds the tokens (pre_process=True) needs the vision tower")
+        self.language_model = language_model
+        self.vision_model = vision_model
+        self.image_token_id = arch.image_token_id
+        self.spatial_merge_size = arch.vision.spatial_merge_size
+        self.patch_dim = arch.vision.patch_dim
+        # Read by megatron's schedules and finalize_model_grads (tied embeddings over stages).
+        self.model_type = language_model.model_type
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """``input_ids`` ``[B, S]``, ``position_ids`` ``[3, B, S]`` (M-RoPE), ``attention_mask``
+        ``[B, 1, S, S]`` bool; ``pixel_values`` / ``image_grid_thw``: the micro-batch's images in
+        row order (first stage only). Returns what ``GPTModel`` returns."""
+        if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+            raise ValueError(
+                f"position_ids has shape {list(position_ids.shape)}; M-RoPE needs [3, B, S] "
+                "(models.forward.model_forward converts the batch-first [B, 3, S])"
+            )
+        decoder_input = self._embed(input_ids, pixel_values, image_grid_thw) if self.pre_process else None
+        return self.language_model(
+            input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs
+        )
+
+    def _embed(self, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
+        """``[S, B, H]`` token embeddings with the images written in (split along S under SP)."""
+        embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # (S, B, H), full
+        rows = images_per_row(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size)
+        has_images = bool(rows) and rows[-1][1] > 0
+        if pixel_values is not None and pixel_values.shape[0] == 0:
+            pixel_values = None  # an empty image batch is no images
+        if has_images != (pixel_values is not None):
+            raise ValueError(
+                "the micro-batch has image tokens and image_grid_thw but no pixel_values"
+                if has_images
+                else "pixel_values were given but no row has image tokens (and image_grid_thw is empty)"
+            )
+        if has_images:
+            check_pixel_values(pixel_values, image_grid_thw, self.patch_dim)
+            frozen = not any(p.requires_grad for p in self.vision_model.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+                image_embeds = self.vision_model(pixel_values, image_grid_thw)  # (image tokens, H)
+            embeddings = scatter_image_embeddings(embeddings, input_ids, image_embeds, self.image_token_id)
+        if self.config.sequence_parallel:
+            # The language model was built not to scatter its embeddings; the images had to go in first.
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        return embeddings
+
+
+def vision_language_model(chunk: torch.nn.Module) -> VisionLanguageModel | None:
+    """The ``VisionLanguageModel`` inside megatron's wrappers (DDP, Float16Module), or None."""
+    while not isinstance(chunk, VisionLanguageModel) and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk if isinstance(chunk, VisionLanguageModel) else None
+
+
+def freeze_vision_tower(chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> int:
+    """Stop gradients into the vision tower (patch embedding, blocks, merger) of every chunk holding it.
+
+    Call before megatron's DDP wraps the chunks: DDP allocates gradient buffers, and the
+    optimizer state, only for parameters that require grad. Returns how many tensors were frozen.
+    """
+    frozen = 0
+    for chunk in chunks if isinstance(chunks, Sequence) else [chunks]:
+        model = vision_language_model(chunk)
+        if model is None:
+            raise TypeError(
+                f"freeze_vision_tower: {type(chunk).__name__} is not a vision-language model chunk"
+            )
+        if model.vision_model is not None:
+            for p in model.vision_model.parameters():
+                p.requires_grad_(False)
+                frozen += 1
+    return frozen
