@@ -22,6 +22,7 @@ BASE = [
     "tokenizers>=0.21",
     "safetensors>=0.4",
     "pyarrow>=15",
+    "datasets>=2.18",  # reads save_to_disk directories (data.train_files)
     "numpy>=1.26",
     "pyyaml>=6",
     "wandb>=0.19",
@@ -29,6 +30,7 @@ BASE = [
     "rich>=13",
     "tensordict>=0.8",
     "math-verify>=0.7",
+    "pillow>=10",
     "packaging>=24.2",
     "psutil>=5.9",
 ]

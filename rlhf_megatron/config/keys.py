@@ -195,8 +195,7 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("actor_rollout_ref.ref.profile", "verl's profiler hooks"),
     IgnoredKey("critic.rollout_n", "derived from actor_rollout_ref.rollout.n"),
     IgnoredKey("critic.kl_ctrl", "unused in verl as well; algorithm.kl_ctrl is the controller"),
-    IgnoredKey("data.image_key", "multimodal data is not supported"),
-    IgnoredKey("data.video_key", "multimodal data is not supported"),
+    IgnoredKey("data.video_key", "videos are not supported (images are: data.image_key)"),
     IgnoredKey(
         "trainer.default_hdfs_dir", "HDFS upload is not supported; checkpoints stay in default_local_dir"
     ),
@@ -221,4 +220,5 @@ RENAMED_KEYS: dict[str, str] = {
     "critic.optim.lr_scheduler_type": "critic.optim.warmup_style",
     "trainer.val_generations_to_log_to_wandb": "trainer.log_val_generations",
     "trainer.val_generations_to_log": "trainer.log_val_generations",
+    "trainer.save_limit": "trainer.max_actor_ckpt_to_keep",
 }

@@ -32,7 +32,7 @@ from rlhf_megatron.config.schema_roles import (
     RewardModelConfig,
     RewardModelModelConfig,
     RolloutConfig,
-    SamplingConfig,
+    ValSamplingConfig,
 )
 
 __all__ = [
@@ -57,7 +57,7 @@ __all__ = [
     "RewardModelModelConfig",
     "RolloutConfig",
     "RunConfig",
-    "SamplingConfig",
+    "ValSamplingConfig",
     "TrainerConfig",
 ]
 
@@ -81,13 +81,39 @@ class DataConfig:
     """Tokenizer override for the dataset; null uses the actor's tokenizer."""
 
     train_files: Any = "~/data/rlhf/gsm8k/train.parquet"
-    """Training parquet file, or a list of files."""
+    """Training data, or a list of sources: parquet/JSON/JSONL files, ``save_to_disk``
+    directories or dataset repositories on disk, each optionally ``path@split`` (EasyR1's form)."""
 
     val_files: Any = "~/data/rlhf/gsm8k/test.parquet"
-    """Validation parquet file, or a list of files."""
+    """Validation data, in the forms ``train_files`` takes."""
 
     prompt_key: str = "prompt"
-    """Column holding the prompt (a chat message list)."""
+    """Column holding the prompt: a chat message list (verl's layout) or plain text (EasyR1's
+    layout, which names it ``problem``)."""
+
+    answer_key: str = "answer"
+    """EasyR1's layout: column holding the reference answer; it becomes
+    ``reward_model.ground_truth``."""
+
+    image_key: str = "images"
+    """Column holding each row's list of images (``{"bytes": ...}`` as HF datasets store them,
+    file paths or PIL images); each goes where an ``<image>`` placeholder is in the prompt text.
+    Needs a vision-language model."""
+
+    format_prompt: str | None = None
+    """EasyR1's layout: a Jinja template file rendered with ``content=<prompt text>`` to build
+    the user message (EasyR1's ``examples/format_prompt/*.jinja``); null uses the text as is."""
+
+    system_prompt: str | None = None
+    """A system message put before every prompt that has none (EasyR1's ``data.system_prompt``)."""
+
+    min_pixels: int | None = 262144
+    """Images with fewer pixels are scaled up to this many before the processor sees them
+    (EasyR1's bound); null: no lower bound."""
+
+    max_pixels: int | None = 4194304
+    """Images with more pixels are scaled down to this many before the processor sees them
+    (EasyR1's bound); null: no upper bound."""
 
     reward_fn_key: str = "data_source"
     """Column whose value selects the reward function for a row."""
@@ -157,6 +183,13 @@ class RewardConfig:
 
     num_workers: int = 0
     """Processes that score responses in parallel; 0 scores in the driver process."""
+
+    score_fn: str | None = None
+    """One scorer for every row, whatever its data source (EasyR1's ``worker.reward.compute_score``):
+    a built-in name (``math`` or ``r1v``, EasyR1's format + accuracy scores, or any scorer
+    ``default_compute_score`` knows, e.g. ``openai/gsm8k``), or ``path.py:function`` (a file like
+    ``custom_reward_function.path``; ``:function`` defaults to ``compute_score``). Null dispatches
+    on ``data.reward_fn_key`` (or uses ``custom_reward_function``)."""
 
 
 @dataclass
@@ -263,10 +296,12 @@ class TrainerConfig:
     """Run directory: checkpoints and ``resolved_config.yaml`` go here."""
 
     max_actor_ckpt_to_keep: int | None = None
-    """Keep only the newest N actor checkpoints; null keeps all."""
+    """Keep only the newest N checkpoints (each holds the actor and the critic); null or -1 keeps
+    all. EasyR1's ``trainer.save_limit`` is another spelling of this key."""
 
     max_critic_ckpt_to_keep: int | None = None
-    """Keep only the newest N critic checkpoints; null keeps all."""
+    """Accepted for verl compatibility; the critic is saved in the same ``global_step_<k>``
+    directory as the actor, so ``max_actor_ckpt_to_keep`` prunes both."""
 
     nnodes: int = 1
     """Nodes in the job."""

@@ -13,6 +13,13 @@ of the other, which cancels most of both spreads. With ``equal_size`` each initi
 holds ``k`` consecutive items of the length-sorted list, one per partition, so every
 partition ends with exactly ``n / k`` items.
 
+A row's cost is its token count, ``attention_mask.sum(-1)`` (`sequence_costs`). For a
+vision-language row that already counts its images: the dataset expands each image's pad
+into one ``<|image_pad|>`` per merged patch, so an image of ``t x h x w`` vision patches adds
+``t * h * w / spatial_merge_size**2`` tokens to the mask (4 patches per token for
+Qwen2.5-VL). The vision encoder's own work is proportional to the same patch count, so it is
+weighted through those tokens rather than added separately.
+
 Boundaries: pure functions of lengths and a `Batch`; no process groups.
 """
 
@@ -25,7 +32,7 @@ import numpy as np
 
 from rlhf_megatron.data.batch import Batch
 
-__all__ = ["balance_batch", "balance_partitions", "partition_sums"]
+__all__ = ["balance_batch", "balance_partitions", "partition_sums", "sequence_costs"]
 
 # A partial partition: [token sum, row indices].
 _Part = list
@@ -96,15 +103,20 @@ def _ratio(sums: Sequence[int]) -> float:
     return float(max(sums)) / min(sums) if min(sums) > 0 else float("inf")
 
 
+def sequence_costs(batch: Batch) -> list[int]:
+    """``[B]`` cost of each row: its prompt + response tokens, image tokens included (see the module docstring)."""
+    if "attention_mask" not in batch.tensor_keys:
+        raise KeyError(f"balance_batch: the batch has no 'attention_mask'; tensors are {batch.tensor_keys}.")
+    return batch["attention_mask"].sum(-1).tolist()
+
+
 def balance_batch(batch: Batch, dp_size: int) -> tuple[Batch, dict[str, float]]:
     """Reorder ``batch`` so that ``chunk(dp_size)`` gives each rank a near-equal token count.
 
-    Lengths are ``attention_mask.sum(-1)`` (prompt + response tokens). Returns the reordered
-    batch and metrics comparing the token spread with a contiguous split of the input order.
+    Costs are `sequence_costs` (prompt + response tokens, image tokens included). Returns the
+    reordered batch and metrics comparing the token spread with a contiguous split of the input order.
     """
-    if "attention_mask" not in batch.tensor_keys:
-        raise KeyError(f"balance_batch: the batch has no 'attention_mask'; tensors are {batch.tensor_keys}.")
-    seqlens = batch["attention_mask"].sum(-1).tolist()
+    seqlens = sequence_costs(batch)
     partitions = balance_partitions(seqlens, dp_size, equal_size=True)
     per_rank = len(batch) // dp_size
     naive = [range(r * per_rank, (r + 1) * per_rank) for r in range(dp_size)]

@@ -1,4 +1,5 @@
-"""Rewards: rule-based scorers by data source, custom reward functions, and the reward manager.
+"""Rewards: rule-based scorers by data source, EasyR1's math/r1v scores, custom reward functions,
+and the reward manager.
 
 No Megatron, Ray or vLLM imports (see ARCHITECTURE.md). The scorers and `registry` import no
 torch so that scoring worker processes (`pool`) start quickly; the torch-based manager names
@@ -12,17 +13,20 @@ from typing import Any
 
 from rlhf_megatron.rewards.registry import (
     CustomRewardFn,
+    NamedScoreFn,
     default_compute_score,
     known_data_sources,
     load_custom_reward_fn,
     register_scorer,
     resolve_compute_score,
+    scorer_names,
 )
 
 _LAZY = {"RewardFn", "RewardFunctionError", "RewardManager", "RewardResult"}
 
 __all__ = [
     "CustomRewardFn",
+    "NamedScoreFn",
     "RewardFn",
     "RewardFunctionError",
     "RewardManager",
@@ -32,6 +36,7 @@ __all__ = [
     "load_custom_reward_fn",
     "register_scorer",
     "resolve_compute_score",
+    "scorer_names",
 ]
 
 

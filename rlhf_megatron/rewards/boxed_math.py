@@ -93,17 +93,27 @@ def normalize_answer(answer: str) -> str:
     return s
 
 
-def _math_verify_equal(answer: str, ground_truth: str) -> bool | None:
-    """math-verify's verdict, or None when it is not installed or fails."""
+def _math_verify_equal(answer: str, ground_truth: str, strict: bool = False) -> bool | None:
+    """math-verify's verdict, or None when it is not installed or fails.
+
+    ``strict`` parses ``answer`` as LaTeX only, without math-verify's fallback of picking a
+    number out of free text: for scorers that compare a whole response (EasyR1's r1v without
+    ``<answer>`` tags), where that fallback would find the answer in any text that mentions it.
+    """
     try:
-        from math_verify import parse, verify
+        from math_verify import LatexExtractionConfig, parse, verify
     except ImportError:
         return None
     # signal.alarm (math-verify's timeout) only works in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    kwargs = {}
+    if strict:
+        kwargs["extraction_config"] = [
+            LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
+        ]
     try:
         gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
-        predicted = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+        predicted = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout, **kwargs)
         if not gold or not predicted:
             return None
         return bool(verify(gold, predicted, timeout_seconds=timeout))
@@ -112,9 +122,9 @@ def _math_verify_equal(answer: str, ground_truth: str) -> bool | None:
         return None
 
 
-def is_equivalent(answer: str, ground_truth: str, use_math_verify: bool = True) -> bool:
-    """Whether two boxed contents denote the same answer."""
-    if use_math_verify and _math_verify_equal(answer, ground_truth):
+def is_equivalent(answer: str, ground_truth: str, use_math_verify: bool = True, strict: bool = False) -> bool:
+    """Whether two boxed contents denote the same answer (``strict``: see `_math_verify_equal`)."""
+    if use_math_verify and _math_verify_equal(answer, ground_truth, strict):
         return True
     return normalize_answer(answer) == normalize_answer(ground_truth)
 

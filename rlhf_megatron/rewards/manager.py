@@ -8,7 +8,10 @@ care which one it holds.
 ``response_mask`` or the response part of ``attention_mask``, special tokens skipped), scores it
 with ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` and puts the
 score on the last valid response token. A scorer may return a float or a dict with ``"score"``
-plus extra values (logged as metrics and returned per row in ``RewardResult.extra``).
+plus extra values (logged as metrics and returned per row in ``RewardResult.extra``). EasyR1's
+scorers return ``{"overall", "format", "accuracy"}`` without ``"score"``: ``overall`` is then
+the score, and the batch means of those three are logged as ``reward/overall``,
+``reward/format`` and ``reward/accuracy`` (EasyR1's metric names).
 
 Failure policy (``on_error``): 'raise' turns a scorer exception, a NaN/inf score or a timeout
 into an error naming the function, row and data source; 'zero' scores such rows 0.0 and counts
@@ -41,6 +44,9 @@ from rlhf_megatron.rewards.registry import default_compute_score
 logger = logging.getLogger(__name__)
 
 __all__ = ["RewardFn", "RewardFunctionError", "RewardManager", "RewardResult", "response_lengths"]
+
+# EasyR1's score parts: logged as batch means under reward/<key> when a scorer returns them.
+EASYR1_SCORE_KEYS = ("overall", "format", "accuracy")
 
 
 @dataclass
@@ -204,13 +210,15 @@ class RewardManager(RewardFn):
             ) from outcome.error
         value, extras = outcome.value, {}
         if isinstance(value, Mapping):
-            if "score" not in value:
+            # "overall" is EasyR1's name for the score; it stays among the extras to be logged.
+            key = "score" if "score" in value else "overall" if "overall" in value else None
+            if key is None:
                 raise RewardFunctionError(
-                    f"RewardManager: reward function {self.fn_name} returned a dict without 'score' on {where}: "
-                    f"keys {sorted(value)}."
+                    f"RewardManager: reward function {self.fn_name} returned a dict without 'score' (or EasyR1's "
+                    f"'overall') on {where}: keys {sorted(value)}."
                 )
             extras = {k: v for k, v in value.items() if k != "score"}
-            value = value["score"]
+            value = value[key]
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(value, (bool, int, float, np.integer, np.floating)):
@@ -257,6 +265,10 @@ class RewardManager(RewardFn):
                     extras_per_source[(source, key)].append(float(value))
 
         metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+        for key in EASYR1_SCORE_KEYS:
+            values = [v for (_, k), vs in extras_per_source.items() if k == key for v in vs]
+            if values:
+                metrics[f"reward/{key}"] = float(np.mean(values))
         for source, values in per_source.items():
             metrics[f"reward/{source}/mean"] = float(np.mean(values))
             metrics[f"reward/{source}/max"] = float(np.max(values))

@@ -1,4 +1,5 @@
-"""Fixtures for the data tests: the tiny tokenizer and helpers that write verl-format parquet."""
+"""Fixtures for the data tests: the tiny tokenizer, helpers that write verl-format parquet, and a
+tiny Qwen2.5-VL checkpoint directory (processor + config.json) for the multimodal tests."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def write_parquet(tmp_path):
 def arith_rows():
     """Five arith rows in verl's layout: '0+0=' ... '4+4='."""
     return [arith_row(f"{i}+{i}=", str(2 * i), "train", index=100 + i) for i in range(5)]
+
+
+@pytest.fixture(scope="session")
+def vl_model_dir(tmp_path_factory):
+    """A tiny Qwen2.5-VL checkpoint directory: processor files and config.json, no weights."""
+    from vl_helpers import write_tiny_vl_model
+
+    return write_tiny_vl_model(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
+
+
+@pytest.fixture(scope="session")
+def vision(vl_model_dir):
+    """`load_vision_processor` of the tiny checkpoint."""
+    from rlhf_megatron.data.multimodal import load_vision_processor
+
+    return load_vision_processor(vl_model_dir)

@@ -1,4 +1,5 @@
-"""RLHFDataset: tokenization and padding, verl's parquet layout, truncation, filtering, errors."""
+"""RLHFDataset on text: tokenization and padding, verl's parquet layout, truncation, filtering, errors,
+and the typed ``data`` config it reads."""
 
 import json
 import logging
@@ -9,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlhf_megatron.config.schema import DataConfig, RunConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.dataset import DatasetFormatError, RLHFDataset, collate_fn, truncate_ids
 from rlhf_megatron.data.preprocess import gsm8k_row
@@ -16,7 +18,7 @@ from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
 
 
 def config(**overrides):
-    return {"max_prompt_length": 16, **overrides}
+    return DataConfig(**{"max_prompt_length": 16, **overrides})
 
 
 def test_item_is_left_padded_chat_prompt(tokenizer, write_parquet, arith_rows):
@@ -37,16 +39,31 @@ def test_item_is_left_padded_chat_prompt(tokenizer, write_parquet, arith_rows):
     assert "raw_prompt" not in item and "prompt" not in item
 
 
-def test_several_files_nested_config_and_raw_chat(tokenizer, write_parquet, arith_rows):
+def test_several_files_and_raw_chat(tokenizer, write_parquet, arith_rows):
     no_extra = [{k: v for k, v in row.items() if k != "extra_info"} for row in arith_rows[:2]]
     files = [write_parquet(arith_rows[:3], "a.parquet"), write_parquet(no_extra, "b.parquet")]
-    cfg = OmegaConf.create({"data": config(return_raw_chat=True, return_raw_input_ids=True)})
-    ds = RLHFDataset(files, tokenizer, cfg)
+    ds = RLHFDataset(files, tokenizer, config(return_raw_chat=True, return_raw_input_ids=True))
     assert len(ds) == 5
     assert [ds[i]["index"] for i in range(5)] == [100, 101, 102, 3, 4]  # row number without extra_info
     assert ds[4]["raw_prompt"] == [{"role": "user", "content": "1+1="}]
     assert ds[4]["raw_input_ids"] == ds[4]["raw_prompt_ids"]
     assert ds[4]["extra_info"] == {}
+
+
+def test_config_is_the_typed_data_section(tokenizer, write_parquet, arith_rows):
+    """The trainer passes ``OmegaConf.to_object(cfg).data``; the data DictConfig and a dict of data.*
+    keys are converted to the same DataConfig, and a key DataConfig lacks is refused."""
+    path = write_parquet(arith_rows)
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.data.max_prompt_length = 9
+    typed = OmegaConf.to_object(cfg).data
+    assert isinstance(typed, DataConfig)
+    for given in (typed, cfg.data, {"max_prompt_length": 9}):
+        ds = RLHFDataset(path, tokenizer, given)
+        assert isinstance(ds.config, DataConfig) and ds.config.max_prompt_length == 9
+        assert ds[0]["input_ids"].shape == (9,)
+    with pytest.raises(TypeError, match=r"\['max_prompt_len'\] are not data.\* keys"):
+        RLHFDataset(path, tokenizer, {"max_prompt_len": 9})
 
 
 def _verl_gsm8k_table() -> pa.Table:
@@ -194,3 +211,47 @@ def test_collate_fn_builds_batch(tokenizer, write_parquet, arith_rows):
     assert batch["raw_prompt_ids"][0] == ds[0]["raw_prompt_ids"]
     assert batch["index"].tolist() == [100, 101, 102, 103]
     assert batch["data_source"].tolist() == ["arith"] * 4
+
+
+def test_easyr1_text_layout(tokenizer, write_parquet, tmp_path):
+    """Plain-text prompts (EasyR1's layout): format_prompt renders the text, system_prompt comes first,
+    the answer becomes the ground truth and the file's name the data source."""
+    template = tmp_path / "fmt.jinja"
+    template.write_text("\n{{ content }} Answer:\n")  # EasyR1 strips the file's text
+    rows = [{"problem": "1+1=", "answer": "2", "level": 3}, {"problem": "2+5=", "answer": "7", "level": 1}]
+    cfg = config(
+        prompt_key="problem", format_prompt=str(template), system_prompt="Be brief.", max_prompt_length=48
+    )
+    item = RLHFDataset(write_parquet(rows, "arith_easy.parquet"), tokenizer, cfg)[1]
+    assert (
+        tokenizer.decode(item["raw_prompt_ids"])
+        == "<|system|>Be brief.</s><|user|>2+5= Answer:</s><|assistant|>"
+    )
+    assert item["reward_model"] == {"ground_truth": "7"} and item["data_source"] == "arith_easy"
+    assert item["level"] == 1 and not {"problem", "answer"} & set(item)
+    assert item["position_ids"].shape == (48,)  # a text model keeps 1-D positions
+
+    path = write_parquet([{"problem": "1+1=", "solution": "2"}], "no_answer.parquet")
+    with pytest.raises(
+        DatasetFormatError, match=r"no_answer.parquet: column 'problem' holds plain text.*'answer'"
+    ):
+        RLHFDataset(path, tokenizer, config(prompt_key="problem"))
+
+
+def test_system_prompt_and_format_prompt_on_verl_rows(tokenizer, write_parquet, arith_rows, tmp_path):
+    own = dict(
+        arith_rows[1], prompt=[{"role": "system", "content": "Mine."}, {"role": "user", "content": "1+1="}]
+    )
+    ds = RLHFDataset(
+        write_parquet([arith_rows[0], own]),
+        tokenizer,
+        config(system_prompt="Be brief.", max_prompt_length=32),
+    )
+    assert tokenizer.decode(ds[0]["raw_prompt_ids"]) == "<|system|>Be brief.</s><|user|>0+0=</s><|assistant|>"
+    assert tokenizer.decode(ds[1]["raw_prompt_ids"]) == "<|system|>Mine.</s><|user|>1+1=</s><|assistant|>"
+    template = tmp_path / "fmt.jinja"
+    template.write_text("{{ content }}")
+    with pytest.raises(
+        ValueError, match=r"data.format_prompt=.*fmt.jinja renders plain-text prompts.*chat messages"
+    ):
+        RLHFDataset(write_parquet(arith_rows, "b.parquet"), tokenizer, config(format_prompt=str(template)))

@@ -15,14 +15,15 @@ ROWS = 1_000_000
 MEASURE = """
 import gc, json, sys
 import psutil, pyarrow as pa, pyarrow.parquet as pq
+from rlhf_megatron.config.schema import DataConfig
 from rlhf_megatron.data.dataset import RLHFDataset
 from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
 tok = build_tiny_tokenizer()
-warm = RLHFDataset(sys.argv[2], tok, {"max_prompt_length": 16}); warm[0]
+warm = RLHFDataset(sys.argv[2], tok, DataConfig(max_prompt_length=16)); warm[0]
 gc.collect()
 proc = psutil.Process()
 before = proc.memory_info().rss
-ds = RLHFDataset(sys.argv[1], tok, {"max_prompt_length": 16})
+ds = RLHFDataset(sys.argv[1], tok, DataConfig(max_prompt_length=16))
 item = ds[len(ds) - 1]
 gc.collect()
 growth = proc.memory_info().rss - before

@@ -1,4 +1,4 @@
-"""tools/data scripts: each writes verl-format parquet that RLHFDataset loads and the scorers accept."""
+"""tools/data scripts: each writes data (verl's or EasyR1's layout) that RLHFDataset loads and the scorers accept."""
 
 import importlib.util
 import json
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_megatron.config.schema import DataConfig
 from rlhf_megatron.data.dataset import RLHFDataset
 from rlhf_megatron.rewards import default_compute_score
 
@@ -42,7 +43,7 @@ def test_gsm8k_tool(tmp_path, tokenizer):
     out = tmp_path / "out"
     path = load_tool("gsm8k").main(["--input", src, "--output-dir", str(out)])
     assert path == str(out / "train.parquet") and no_temp_files(out)
-    ds = RLHFDataset(path, tokenizer, {"max_prompt_length": 256})
+    ds = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=256))
     item = ds[1]
     assert item["data_source"] == "openai/gsm8k" and item["reward_model"]["ground_truth"] == "1005"
     assert item["extra_info"] == {
@@ -85,7 +86,7 @@ def test_math_tool(tmp_path, tokenizer):
         ],
     )
     path = load_tool("math_dataset").main(["--input", src, "--output-dir", str(tmp_path / "out")])
-    ds = RLHFDataset(path, tokenizer, {"max_prompt_length": 256})
+    ds = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=256))
     item = ds[0]
     assert item["data_source"] == "DigitalLearningGmbH/MATH-lighteval"
     assert item["reward_model"]["ground_truth"] == "\\frac{1}{2}"
@@ -102,8 +103,8 @@ def test_countdown_tool(tmp_path, tokenizer):
     paths = load_tool("countdown").main(
         ["--output-dir", str(out), "--train-size", "30", "--test-size", "5", "--seed", "1"]
     )
-    train = RLHFDataset(paths[0], tokenizer, {"max_prompt_length": 512})
-    test = RLHFDataset(paths[1], tokenizer, {"max_prompt_length": 512})
+    train = RLHFDataset(paths[0], tokenizer, DataConfig(max_prompt_length=512))
+    test = RLHFDataset(paths[1], tokenizer, DataConfig(max_prompt_length=512))
     assert (len(train), len(test)) == (30, 5) and no_temp_files(out)
     item = train[0]
     assert item["data_source"] == "countdown" and set(item["reward_model"]["ground_truth"]) == {
@@ -130,8 +131,8 @@ def test_arith_tool_cli(tmp_path, tokenizer):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "wrote 40 rows" in result.stdout
-    train = RLHFDataset(str(out / "train.parquet"), tokenizer, {"max_prompt_length": 16})
-    test = RLHFDataset(str(out / "test.parquet"), tokenizer, {"max_prompt_length": 16})
+    train = RLHFDataset(str(out / "train.parquet"), tokenizer, DataConfig(max_prompt_length=16))
+    test = RLHFDataset(str(out / "test.parquet"), tokenizer, DataConfig(max_prompt_length=16))
     questions = lambda ds: {tokenizer.decode(ds[i]["raw_prompt_ids"]) for i in range(len(ds))}  # noqa: E731
     assert not questions(train) & questions(test)
     item = test[0]
@@ -142,3 +143,32 @@ def test_arith_tool_cli(tmp_path, tokenizer):
         )
         == 1.0
     )
+
+
+def test_shapes_vl_tool_is_an_easyr1_dataset_repository(tmp_path, vision):
+    """The synthetic image task loads through ``path@split`` in EasyR1's layout and scores with EasyR1's math."""
+    from rlhf_megatron.rewards.easyr1 import math_compute_score
+
+    out = tmp_path / "shapes_vl"
+    tool = load_tool("shapes_vl")
+    paths = tool.main(["--output-dir", str(out), "--train-size", "6", "--test-size", "2", "--seed", "3"])
+    assert paths == [str(out / "data" / f"{s}-00000-of-00001.parquet") for s in ("train", "test")]
+    assert no_temp_files(out / "data")
+    again = tool.main(
+        ["--output-dir", str(tmp_path / "again"), "--train-size", "6", "--test-size", "2", "--seed", "3"]
+    )
+    assert Path(again[0]).read_bytes() == Path(paths[0]).read_bytes()  # deterministic
+
+    cfg = DataConfig(
+        prompt_key="problem", max_prompt_length=128, min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16
+    )
+    train = RLHFDataset(f"{out}@train", vision.processor.tokenizer, cfg, vision)
+    test = RLHFDataset(f"{out}@test", vision.processor.tokenizer, cfg, vision)
+    assert (len(train), len(test)) == (6, 2)
+    item = test[0]
+    assert item["data_source"] == "shapes_vl" and item["multi_modal_inputs"]["image_grid_thw"].tolist() == [
+        [1, 8, 8]
+    ]
+    answer = item["reward_model"]["ground_truth"]
+    assert 1 <= int(answer) <= 5
+    assert math_compute_score(f"<think>count</think>\\boxed{{{answer}}}", answer)["overall"] == 1.0

@@ -1,7 +1,8 @@
 """Bad input is refused early, with an error that names what is wrong (one parametrised matrix).
 
 Entry points, called in-process: the config loader (``load_config``: schema types, unknown
-keys, cross-section rules), ``RLHFDataset``, HF checkpoints (``ModelArch.from_hf_dir``, the
+keys, cross-section rules), ``RLHFDataset`` (verl and EasyR1 layouts, images, format prompts,
+sources), HF checkpoints (``ModelArch.from_hf_dir``, the
 driver's tokenizer/model vocabulary check), ``convert`` and ``launch`` argument parsing, and
 checkpoint output directories. Each case asserts the exception type (or exit status) and key
 words of the message.
@@ -92,9 +93,12 @@ def _tokenizer(model):
 
 
 def _data_cfg(**extra):
+    """The preset's typed ``data`` section (what the trainer hands the dataset), with ``extra`` changed."""
+    import dataclasses
+
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(load_config("quickstart_cpu", []).data, extra)
+    return dataclasses.replace(OmegaConf.to_object(load_config("quickstart_cpu", [])).data, **extra)
 
 
 def _write(tmp, rows, name="bad.parquet", empty=False):
@@ -161,6 +165,95 @@ def _ds_no_files(tmp, model):
     RLHFDataset([], _tokenizer(model), _data_cfg())
 
 
+def _ds_not_on_disk(tmp, model):
+    from rlhf_megatron.data import RLHFDataset
+
+    RLHFDataset(str(tmp / "hiyouga" / "geometry3k") + "@train", _tokenizer(model), _data_cfg())
+
+
+# ----- EasyR1's layout and images: a tiny Qwen2.5-VL processor (tests/data/vl_helpers.py, loaded by path)
+def _vl_helpers():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "vl_helpers_for_reliability", Path(__file__).resolve().parents[1] / "data" / "vl_helpers.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _mm_dataset(tmp, rows, limit_images=0, **cfg):
+    """An EasyR1-layout dataset of ``rows`` through the tiny VL processor; returns its first item."""
+    from rlhf_megatron.data import RLHFDataset
+    from rlhf_megatron.data.multimodal import load_vision_processor
+
+    vision = load_vision_processor(_vl_helpers().write_tiny_vl_model(tmp / "vl"))
+    cfg = _data_cfg(prompt_key="problem", max_prompt_length=256, min_pixels=3136, max_pixels=12544, **cfg)
+    ds = RLHFDataset(
+        str(_write(tmp, rows)), vision.processor.tokenizer, cfg, vision, limit_images=limit_images
+    )
+    return ds[0]
+
+
+def _image(size=56):
+    return {"bytes": _vl_helpers().png(size, size), "path": None}
+
+
+def _mm_undecodable_image(tmp, model):
+    _mm_dataset(
+        tmp, [{"problem": "<image>x?", "answer": "1", "images": [{"bytes": b"not a png", "path": None}]}]
+    )
+
+
+def _mm_more_images_than_placeholders(tmp, model):
+    _mm_dataset(tmp, [{"problem": "<image>x?", "answer": "1", "images": [_image(), _image()]}])
+
+
+def _mm_fewer_images_than_placeholders(tmp, model):
+    _mm_dataset(tmp, [{"problem": "<image> and <image>?", "answer": "1", "images": [_image()]}])
+
+
+def _mm_over_limit_images(tmp, model):
+    _mm_dataset(
+        tmp, [{"problem": "<image><image>?", "answer": "1", "images": [_image(), _image()]}], limit_images=1
+    )
+
+
+def _mm_missing_image_file(tmp, model):
+    _mm_dataset(tmp, [{"problem": "<image>x?", "answer": "1", "images": ["pics/nope.png"]}])
+
+
+def _mm_images_for_text_model(tmp, model):
+    from rlhf_megatron.data import RLHFDataset
+
+    rows = [{"problem": "<image>x?", "answer": "1", "images": [_image()]}]
+    RLHFDataset(str(_write(tmp, rows)), _tokenizer(model), _data_cfg(prompt_key="problem"))
+
+
+def _easyr1_text(tmp, model, template_text=None, template_name="fmt.jinja"):
+    from rlhf_megatron.data import RLHFDataset
+
+    template = tmp / template_name
+    if template_text is not None:
+        template.write_text(template_text)
+    cfg = _data_cfg(prompt_key="problem", max_prompt_length=256, format_prompt=str(template))
+    RLHFDataset(str(_write(tmp, [{"problem": "1+1?", "answer": "2"}])), _tokenizer(model), cfg)[0]
+
+
+def _format_prompt_missing(tmp, model):
+    _easyr1_text(tmp, model, template_name="nope.jinja")
+
+
+def _format_prompt_bad_syntax(tmp, model):
+    _easyr1_text(tmp, model, "first line\n{{ content ")
+
+
+def _format_prompt_render_fails(tmp, model):
+    _easyr1_text(tmp, model, "{{ content.split(1) }} Think step by step.")
+
+
 DATASET_CASES = [
     ("empty_parquet", _ds_empty, ValueError, ["no rows"]),
     ("missing_file", _ds_missing_file, FileNotFoundError, ["nope.parquet", "does not exist"]),
@@ -169,7 +262,27 @@ DATASET_CASES = [
     ("prompt_over_limit", _ds_prompt_too_long, ValueError, ["max_prompt_length"]),
     ("no_chat_template", _ds_no_chat_template, ValueError, ["chat template"]),
     ("no_files", _ds_no_files, ValueError, ["no parquet files"]),
-]
+    ("dataset_not_on_disk", _ds_not_on_disk, FileNotFoundError,
+     ["data.train_files", "geometry3k@train", "does not exist", "no hub is contacted"]),
+    ("mm_undecodable_image", _mm_undecodable_image, ValueError,
+     ["bad.parquet row 0", "'images'[0]", "not a readable image"]),
+    ("mm_more_images_than_placeholders", _mm_more_images_than_placeholders, ValueError,
+     ["bad.parquet row 0", "2 image(s) in 'images' but 1 '<image>' placeholder"]),
+    ("mm_fewer_images_than_placeholders", _mm_fewer_images_than_placeholders, ValueError,
+     ["bad.parquet row 0", "1 image(s) in 'images' but 2 '<image>' placeholder"]),
+    ("mm_more_images_than_limit_images", _mm_over_limit_images, ValueError,
+     ["bad.parquet row 0", "2 images", "actor_rollout_ref.rollout.limit_images=1"]),
+    ("mm_image_file_missing", _mm_missing_image_file, ValueError,
+     ["bad.parquet row 0", "pics/nope.png", "does not exist"]),
+    ("mm_images_for_a_text_model", _mm_images_for_text_model, ValueError,
+     ["bad.parquet", "'images' (data.image_key)", "no image processor"]),
+    ("format_prompt_missing", _format_prompt_missing, FileNotFoundError,
+     ["data.format_prompt", "nope.jinja", "does not exist"]),
+    ("format_prompt_bad_syntax", _format_prompt_bad_syntax, ValueError,
+     ["data.format_prompt", "fmt.jinja line 2", "not a valid Jinja template"]),
+    ("format_prompt_does_not_render", _format_prompt_render_fails, ValueError,
+     ["bad.parquet row 0", "rendering data.format_prompt", "fmt.jinja", "TypeError"]),
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- HF checkpoints
@@ -318,8 +431,8 @@ CLI_CASES = [
 @pytest.mark.parametrize("entry, argv, words", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_arguments_refused(tmp_path, capsys, entry, argv, words):
     from rlhf_megatron import train
+    from rlhf_megatron.convert import main as convert_main
     from rlhf_megatron.launch import main as launch_main
-    from rlhf_megatron.tools_cli.convert import main as convert_main
 
     main = {"convert": convert_main, "launch": launch_main, "train": train.main}[entry]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

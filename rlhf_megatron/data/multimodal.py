@@ -1,0 +1,213 @@
+"""Images of vision-language prompts: decoding, EasyR1's pixel bounds, and the model's processor.
+
+A dataset row's images (``data.image_key``) may be stored as ``{"bytes": ...}`` (what HF
+``datasets`` and their parquet files hold; ``{"path": ...}`` also works), raw bytes, a file
+path, or a PIL image. `open_image` opens one lazily (the header only, enough for its size);
+`prepare_image` decodes it and applies EasyR1's ``process_image``: scale down to at most
+``data.max_pixels`` pixels, then up to at least ``data.min_pixels``, then convert to RGB.
+
+The model's own processor (`VisionProcessor`, from ``AutoProcessor.from_pretrained(model
+path)``) then turns the prepared images into ``pixel_values`` / ``image_grid_thw`` and
+expands each ``<|image_pad|>`` into one pad per merged patch. The processor is loaded with the
+checkpoint's settings, not with ``min_pixels``/``max_pixels`` overrides: the rollout engine
+(vLLM) receives the same prepared images and runs the same checkpoint's processor, so both
+sides see identical image grids and token counts.
+
+Boundaries: PIL and transformers' processor; no Megatron, Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # PIL is imported where images are handled: text-only runs do not need it
+    from PIL import Image
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "concat_vision_inputs",
+    "ImageError",
+    "VisionProcessor",
+    "load_vision_processor",
+    "open_image",
+    "prepare_image",
+    "target_size",
+]
+
+# How EasyR1 and verl mark an image's place in a prompt's text.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+class ImageError(ValueError):
+    """An image cannot be found or decoded; the dataset adds the file and row."""
+
+
+def open_image(value: Any, base_dir: str | None = None) -> Image.Image:
+    """A lazily opened PIL image from bytes, ``{"bytes"|"path": ...}``, a path or a PIL image.
+
+    Relative paths are looked up in ``base_dir`` (the data file's directory), then in the
+    current directory.
+    """
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            value = value["bytes"]
+        elif value.get("path"):
+            value = value["path"]
+        else:
+            raise ImageError(f"an image dict needs 'bytes' or 'path', got keys {sorted(value)}")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return Image.open(io.BytesIO(bytes(value)))
+        except Exception as err:
+            raise ImageError(
+                f"{len(value)} bytes are not a readable image ({type(err).__name__}: {err})"
+            ) from err
+    if isinstance(value, (str, os.PathLike)):
+        return _open_path(os.fspath(value), base_dir)
+    raise ImageError(
+        f"an image must be bytes, a path, {{'bytes': ...}} or a PIL image, got {type(value).__name__}"
+    )
+
+
+def _open_path(path: str, base_dir: str | None) -> Image.Image:
+    from PIL import Image
+
+    candidates = [path] if os.path.isabs(path) else [os.path.join(base_dir, path)] if base_dir else []
+    if not os.path.isabs(path):
+        candidates.append(os.path.abspath(path))
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            try:
+                return Image.open(candidate)
+            except Exception as err:
+                raise ImageError(
+                    f"image file {candidate} is not a readable image ({type(err).__name__}: {err})"
+                ) from err
+    raise ImageError(
+        f"image file {path!r} does not exist (looked for {' and '.join(dict.fromkeys(candidates))}); "
+        "relative image paths are resolved against the data file's directory, then the current directory"
+    )
+
+
+def target_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    """EasyR1's resize: scale to <= ``max_pixels`` pixels, then to >= ``min_pixels`` (sizes truncated)."""
+    if max_pixels is not None and width * height > max_pixels:
+        factor = math.sqrt(max_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    if min_pixels is not None and width * height < min_pixels:
+        factor = math.sqrt(min_pixels / (width * height))
+        width, height = int(width * factor), int(height * factor)
+    return width, height
+
+
+def prepare_image(
+    value: Any, min_pixels: int | None, max_pixels: int | None, base_dir: str | None = None
+) -> Image.Image:
+    """Decode, bound the pixel count (`target_size`) and convert to RGB: what the processor and vLLM get."""
+    image = open_image(value, base_dir)
+    try:
+        image.load()  # decode now (and close the file): a corrupt body fails here, not later
+    except Exception as err:
+        raise ImageError(f"the image cannot be decoded ({type(err).__name__}: {err})") from err
+    size = target_size(image.width, image.height, min_pixels, max_pixels)
+    if size != image.size:
+        image = image.resize(size)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class VisionProcessor:
+    """A vision-language model's processor plus the two numbers M-RoPE positions need."""
+
+    processor: Any
+    """The checkpoint's ``AutoProcessor`` (Qwen2.5-VL's: tokenizer + Qwen2-VL image processor)."""
+    image_token_id: int
+    """Id of the image pad token (``<|image_pad|>``): one per merged patch after expansion."""
+    spatial_merge_size: int
+    """Patches merged per side into one LM token (2 for Qwen2-VL/2.5-VL: 2 x 2 -> 1)."""
+    model_path: str
+    """Where the processor and config.json were read (for error messages)."""
+
+    @property
+    def image_token(self) -> str:
+        return self.processor.image_token
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one ``pixel_values`` row: channels x temporal patch x patch x patch (3 x 2 x 14 x 14)."""
+        ip = self.processor.image_processor
+        return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """LM tokens the processor gives an image of this (already prepared) size."""
+        patches = self.processor.image_processor.get_number_of_image_patches(height, width, {})
+        return int(patches) // self.spatial_merge_size**2
+
+
+def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | None:
+    """The processor of a vision-language checkpoint; None when its config.json has no ``vision_config``.
+
+    ``image_token_id`` and ``spatial_merge_size`` come from config.json and are checked against
+    the processor's tokenizer and image processor, which must agree with the model.
+    """
+    model_path = os.fspath(model_path)
+    config_path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(
+            f"load_vision_processor: {config_path} does not exist; point it at an HF checkpoint directory."
+        )
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    vision = config.get("vision_config")
+    if not vision:
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_path)
+    except Exception as err:
+        raise ValueError(
+            f"load_vision_processor: {model_path} is a vision-language model ({config.get('model_type')}) but its "
+            f"processor does not load ({type(err).__name__}: {err}); it needs preprocessor_config.json or "
+            "processor_config.json beside the tokenizer files."
+        ) from err
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None or not hasattr(processor, "image_token"):
+        raise ValueError(
+            f"load_vision_processor: {model_path}: {type(processor).__name__} has no image processor."
+        )
+    image_token_id = config.get("image_token_id", config.get("text_config", {}).get("image_token_id"))
+    token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    if image_token_id is None or int(image_token_id) != token_id:
+        raise ValueError(
+            f"load_vision_processor: {config_path} has image_token_id={image_token_id}, but the tokenizer gives "
+            f"{processor.image_token!r} the id {token_id}; the checkpoint's config and tokenizer disagree."
+        )
+    merge = int(vision.get("spatial_merge_size", 2))
+    if int(getattr(image_processor, "merge_size", merge)) != merge:
+        raise ValueError(
+            f"load_vision_processor: {config_path} has vision_config.spatial_merge_size={merge}, but the image "
+            f"processor merges {image_processor.merge_size}; the checkpoint's config and processor disagree."
+        )
+    return VisionProcessor(processor, int(image_token_id), merge, model_path)
+
+
+def concat_vision_inputs(rows) -> dict:
+    """Concatenate per-row ``multi_modal_inputs`` (``pixel_values`` [patches, D], ``image_grid_thw``
+    [images, 3]) in row order, the layout a vision tower takes for a group of rows; ``{}`` when
+    none of the rows has an image."""
+    import torch
+
+    rows = [r for r in rows if r is not None and r["image_grid_thw"].shape[0] > 0]
+    if not rows:
+        return {}
+    return {key: torch.cat([r[key] for r in rows]) for key in ("pixel_values", "image_grid_thw")}

@@ -1,0 +1,81 @@
+"""Generate a tiny image-counting task in EasyR1's layout, laid out like a Hub dataset repository.
+
+    python tools/data/shapes_vl.py --output-dir data/shapes_vl --train-size 512 --test-size 32 --seed 0
+
+writes ``data/shapes_vl/data/train-00000-of-00001.parquet`` and ``.../test-00000-of-00001.parquet``
+with EasyR1's columns: ``problem`` (``"<image>How many squares are in the image?"``),
+``answer`` (the count, a string) and ``images`` (one PNG per row, stored as ``{"bytes", "path"}``
+like HF datasets' Image feature). It stands in for hiyouga/geometry3k where no hub is reachable:
+train on it with ``data.train_files=data/shapes_vl@train data.val_files=data/shapes_vl@test
+data.prompt_key=problem reward.score_fn=math`` and a format prompt asking for ``\\boxed{}``.
+Each image is ``--size`` pixels square with 1 to ``--max-count`` non-overlapping coloured squares.
+Files are written atomically; the same seed gives the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+
+from PIL import Image, ImageDraw
+
+from rlhf_megatron.data.preprocess import write_parquet_atomic
+
+COLORS = ((220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 170, 20), (150, 60, 190))
+PROBLEM = "<image>How many squares are in the image?"
+
+
+def draw_squares(rng: random.Random, size: int, count: int) -> bytes:
+    """PNG bytes: ``count`` squares on a white ``size x size`` canvas, on a grid so none overlap."""
+    cells = 4
+    cell = size // cells
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for slot in rng.sample(range(cells * cells), count):
+        x, y = (slot % cells) * cell, (slot // cells) * cell
+        side = rng.randint(cell // 2, cell - 2)
+        draw.rectangle([x + 1, y + 1, x + side, y + side], fill=rng.choice(COLORS))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def make_rows(n: int, rng: random.Random, size: int, max_count: int) -> list[dict]:
+    rows = []
+    for _ in range(n):
+        count = rng.randint(1, max_count)
+        image = {"bytes": draw_squares(rng, size, count), "path": None}
+        rows.append({"problem": PROBLEM, "answer": str(count), "images": [image]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--output-dir", required=True, help="dataset directory (data/<split>-*.parquet inside)"
+    )
+    parser.add_argument("--train-size", type=int, required=True)
+    parser.add_argument("--test-size", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", type=int, default=112, help="image side in pixels")
+    parser.add_argument("--max-count", type=int, default=5, help="most squares in one image (at most 16)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.max_count <= 16:
+        parser.error(f"--max-count must be in 1..16 (a 4 x 4 grid), got {args.max_count}")
+    if args.size < 16:
+        parser.error(f"--size must be at least 16 pixels, got {args.size}")
+
+    rng = random.Random(args.seed)
+    paths = []
+    for split, n in (("train", args.train_size), ("test", args.test_size)):
+        rows = make_rows(n, rng, args.size, args.max_count)
+        path = os.path.join(args.output_dir, "data", f"{split}-00000-of-00001.parquet")
+        paths.append(write_parquet_atomic(rows, path))
+        print(f"wrote {len(rows)} rows to {path}")
+    return paths
+
+
+if __name__ == "__main__":
+    main()
