@@ -9,7 +9,8 @@ has passed ``validate_config`` and been normalised (per-GPU micro-batches filled
 
 Override syntax is verl's (Hydra's): ``a.b=c``, ``+a.b=c`` and ``++a.b=c`` (accepted the
 same way: the schema decides what may exist), YAML values (``null``, ``True``, ``1e-6``,
-``['wandb']``) and OmegaConf interpolations (``${data.max_response_length}``).
+``['wandb']``) and OmegaConf interpolations (``${data.max_response_length}``). An EasyR1
+command line (``config=FILE``, ``worker.*`` keys) is translated by ``easyr1.py`` first.
 
 Boundaries: no cross-field rules (``validate.py``), no derived values (``normalize.py``).
 """
@@ -27,6 +28,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
+from rlhf_megatron.config.easyr1 import is_easyr1, translate_easyr1
 from rlhf_megatron.config.errors import ConfigError
 from rlhf_megatron.config.keys import RENAMED_KEYS, find_ignored, schema_keys
 from rlhf_megatron.config.presets import read_preset_layers
@@ -109,6 +111,10 @@ class _Layers:
             if key == old or key.startswith(old + "."):
                 return new + key[len(old) :]
         return key
+
+    def set(self, key: str, value: Any, source: str) -> None:
+        """One dotted key from ``source`` (renamed spellings resolved)."""
+        self._set(self._rename(key), value, source)
 
     def _set(self, key: str, value: Any, source: str) -> None:
         info = schema_keys()
@@ -248,10 +254,24 @@ def load_config(
     Raises ``ConfigError`` listing every problem found.
     """
     layers = _Layers()
-    if config_file is not None:
-        for source, mapping in read_preset_layers(config_file):
-            layers.add(source, mapping)
-    layers.add(COMMAND_LINE, parse_overrides(overrides))
+    parsed = parse_overrides(overrides)
+    if is_easyr1(parsed):
+        if config_file is not None:
+            raise ConfigError(
+                [
+                    f"--config {config_file} (this project's preset) and EasyR1's config=/worker.* keys cannot be mixed"
+                ]
+            )
+        easy = translate_easyr1(parsed)
+        for key, value in easy.values.items():
+            layers.set(key, value, easy.origin[key])
+        layers.ignored.update(easy.ignored)
+        layers.errors += easy.errors
+    else:
+        if config_file is not None:
+            for source, mapping in read_preset_layers(config_file):
+                layers.add(source, mapping)
+        layers.add(COMMAND_LINE, parsed)
     if layers.errors:
         raise ConfigError(layers.errors)
 
