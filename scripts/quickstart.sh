@@ -6,6 +6,7 @@
 #
 #   bash scripts/quickstart.sh                      # GRPO (configs/quickstart_cpu.yaml)
 #   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic
+#   CONFIG=configs/quickstart_vl_cpu.yaml bash scripts/quickstart.sh    # images: a tiny Qwen2.5-VL
 #   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false WANDB_
 CONFIG=${CONFIG:-configs/quickstart_cpu.yaml}
 PY=.venv/bin/python
 
-$PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith
+case "$CONFIG" in
+  *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
+  *) $PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith ;;
+esac
 run_dir=$($PY -m rlhf_megatron.train --config "$CONFIG" --dry-run "$@" 2>/dev/null \
   | sed -n 's/^  default_local_dir: //p' | head -1)
 # A fresh run each time: the quickstart demonstrates training from the starting policy.

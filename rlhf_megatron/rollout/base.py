@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.rope_index import extend_positions
@@ -120,6 +121,20 @@ def prompt_images(prompts: Batch) -> list[list] | None:
     if "multi_modal_data" not in prompts.non_tensor_keys:
         return None
     return [list((data or {}).get("image") or []) for data in prompts["multi_modal_data"]]
+
+
+def vision_token_bias(arch: ModelArch) -> dict[int, float] | None:
+    """Sampling bias that keeps a vision-language policy from emitting its image/video markers.
+
+    A response holding ``<|image_pad|>`` would read, in the training forward passes, as a
+    placeholder for an image that does not exist (transformers refuses such input too). vLLM's
+    reported log-probs are the raw ones (``logprobs_mode=raw_logprobs``), so the bias changes
+    what can be sampled, not the log-probs the trainer compares with. None for text models.
+    """
+    if arch.vision is None:
+        return None
+    ids = (arch.image_token_id, arch.video_token_id, arch.vision_start_token_id, arch.vision_end_token_id)
+    return {i: -100.0 for i in ids if i is not None}  # vLLM's most negative bias
 
 
 def assemble_rollout(

@@ -15,10 +15,16 @@ from typing import Any
 
 import torch
 
+from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import concat_vision_inputs
-from rlhf_megatron.rollout.base import RolloutSampling, assemble_rollout, prompt_token_lists
+from rlhf_megatron.rollout.base import (
+    RolloutSampling,
+    assemble_rollout,
+    prompt_token_lists,
+    vision_token_bias,
+)
 
 
 class HFEngine:
@@ -51,6 +57,9 @@ class HFEngine:
             eos_token_id = self.model.generation_config.eos_token_id
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        # As in the vLLM engine: a vision-language policy never emits its image/video markers.
+        bias = vision_token_bias(ModelArch.from_hf_dir(model_path))
+        self.bad_words_ids = [[token] for token in bias] if bias else None
 
     @torch.no_grad()
     def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch:
@@ -88,6 +97,7 @@ class HFEngine:
                 eos_token_id=sorted(self.eos_token_ids) or None,
                 return_dict_in_generate=True,
                 output_logits=True,
+                bad_words_ids=self.bad_words_ids,
                 **vision,
             )
         finally:

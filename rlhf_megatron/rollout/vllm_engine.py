@@ -37,7 +37,13 @@ import torch
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.rollout.base import RolloutSampling, assemble_rollout, prompt_images, prompt_token_lists
+from rlhf_megatron.rollout.base import (
+    RolloutSampling,
+    assemble_rollout,
+    prompt_images,
+    prompt_token_lists,
+    vision_token_bias,
+)
 from rlhf_megatron.weights.plan import LOAD_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -158,6 +164,7 @@ class VLLMEngine:
             )
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len
+        self.logit_bias = vision_token_bias(ModelArch.from_hf_dir(model_path))
         dtype = rollout.dtype
         if not self.on_gpu and dtype in ("bfloat16", "float16"):
             # The tiny CPU models and the Megatron side run fp32; matching dtypes keeps
@@ -231,6 +238,7 @@ class VLLMEngine:
                 logprobs=0,
                 detokenize=False,
                 seed=None if sampling.seed is None else sampling.seed + row,
+                logit_bias=self.logit_bias,
             )
 
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
@@ -262,6 +270,11 @@ class VLLMEngine:
                 "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": False}
             )
         self.llm.reset_prefix_cache()
+        # reload_weights empties the model runner's cache of vision-encoder outputs (they were
+        # computed with the old weights) but not the scheduler's record of what it holds; left
+        # alone, the next request with an image the scheduler thinks is cached fails with
+        # "Encoder cache miss". Clear both, through the engine.
+        self.llm.llm_engine.reset_encoder_cache()
 
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:

@@ -246,5 +246,18 @@ class MegatronRoleWorker(Worker):
             get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
         self.on_weights_loaded()
 
+    def named_weights(self, contains: str = "", engine: str | None = None) -> dict[str, torch.Tensor]:
+        """This rank's parameters whose (chunk-local) name contains ``contains``, copied: for
+        inspecting what a step changed (e.g. that a frozen vision tower did not move)."""
+        from rlhf_megatron.models.loader import unwrap_model
+
+        chosen = self.engines[engine] if engine else next(iter(self.engines.values()))
+        return {
+            f"chunk{i}.{name}": p.detach().clone()
+            for i, chunk in enumerate(chosen.chunks)
+            for name, p in unwrap_model(chunk).named_parameters()
+            if contains in name
+        }
+
     def on_weights_loaded(self) -> None:
         """Hook for roles that derive state from the weights (the actor's rollout copy)."""

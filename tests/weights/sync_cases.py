@@ -90,7 +90,10 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
 
     captured = capture_vllm_loaded_weights()
     engine = VLLMEngine(
-        hf_dir, RolloutConfig(dtype="float32", max_num_seqs=4), max_model_len=64, tensor_parallel_size=rollout_tp
+        hf_dir,
+        RolloutConfig(dtype="float32", max_num_seqs=4),
+        max_model_len=64,
+        tensor_parallel_size=rollout_tp,
     )
     from_checkpoint = name_captured(engine, captured)
     unlinked = list(engine.unlinked_shm)
@@ -124,3 +127,39 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
         shm_left=shm_left,
     )
     return result
+
+
+def vl_conformance(rank, world_size, hf_dir, tp, pp, rollout_tp):
+    """A vision-language actor's hf stream into vLLM: every per-rank tensor vLLM's own loader makes
+    from our stream (vision tower, merger, language model) equals what it made from the checkpoint."""
+    arch, chunks, info, groups = build_actor(hf_dir, tp, pp)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from rlhf_megatron.config.schema import RolloutConfig
+    from rlhf_megatron.rollout.vllm_engine import VLLMEngine
+
+    captured = capture_vllm_loaded_weights()
+    engine = VLLMEngine(
+        hf_dir,
+        RolloutConfig(dtype="float32", max_num_seqs=4, limit_images=1),
+        max_model_len=128,
+        tensor_parallel_size=rollout_tp,
+    )
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        # Linear weights as the loader left them (before CPU repacking), plus every other parameter.
+        params = engine.llm.apply_model(
+            lambda m: {n: p.detach().clone() for n, p in m.named_parameters() if p.numel() > 0}
+        )[0]
+        return {**params, **name_captured(engine, captured)}
+
+    from_checkpoint = snapshot()
+    captured.clear()
+    engine.update_weights(make_syncer(arch, chunks, info, groups, rollout_tp, "hf").iter_weights())
+    refit = snapshot()
+    engine.shutdown()
+    mismatch = sorted(n for n, t in from_checkpoint.items() if n not in refit or not torch.equal(refit[n], t))
+    return {
+        "tensors": len(from_checkpoint),
+        "vision": sum("visual" in n for n in from_checkpoint),
+        "mismatch": mismatch,
+    }

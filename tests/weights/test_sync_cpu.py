@@ -73,3 +73,23 @@ def _conformance(rank, world_size, *args):
     from sync_cases import conformance
 
     return conformance(rank, world_size, *args)
+
+
+def _vl_conformance(rank, world_size, hf_dir, tp, pp, rollout_tp):
+    from sync_cases import vl_conformance
+
+    return vl_conformance(rank, world_size, hf_dir, tp, pp, rollout_tp)
+
+
+@pytest.mark.parametrize("tp, pp, rollout_tp", [(2, 1, 2), (1, 2, 1)])
+def test_vision_language_refit_matches_vllms_own_loader_per_rank(tmp_path, tp, pp, rollout_tp):
+    """Qwen2.5-VL: vLLM's loader, fed our hf stream, makes on every rank exactly the tensors it makes
+    from the checkpoint (vision tower and merger included), at rollout TP 2 (sharded vision heads,
+    padded MLP trimmed) and with the tower on pipeline stage 0 only."""
+    from rlhf_megatron.models.tiny import make_tiny_qwen2_5_vl
+
+    hf_dir = str(make_tiny_qwen2_5_vl(tmp_path / "vl"))
+    results = run_on_ranks(_vl_conformance, 2, hf_dir, tp, pp, rollout_tp, env=ENV, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["vision"] > 10 and r["tensors"] > r["vision"], (rank, r)
+        assert r["mismatch"] == [], (rank, r["mismatch"])
