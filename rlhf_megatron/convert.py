@@ -2,11 +2,13 @@
 
 Subcommands:
 
-- ``hf-to-mcore --hf DIR --out DIR --tp N --pp N [--vpp N]``: build the model at
-  that layout on ``tp × pp`` gloo ranks (spawned here, or the current ranks
-  when started under torchrun), let each rank read only its slices of the HF
-  safetensors, and save megatron's distributed checkpoint plus our metadata
-  (``models/checkpoint.py`` describes the layout). Loadable at any layout.
+- ``hf-to-mcore --hf DIR --out DIR --tp N --pp N [--vpp N] [--ep N [--etp N]]``:
+  build the model at that layout on ``lcm(tp, etp × ep) × pp`` gloo ranks (spawned
+  here, or the current ranks when started under torchrun), let each rank read only
+  its slices of the HF safetensors (a mixture-of-experts rank: only its experts),
+  and save megatron's distributed checkpoint plus our metadata
+  (``models/checkpoint.py`` describes the layout). Loadable at any layout, EP
+  included.
 - ``mcore-to-hf --ckpt DIR --out DIR``: stream a model checkpoint (converted,
   or a trainer's ``<ckpt>/model``) to HF safetensors one tensor at a time, in
   one process, with megatron's loader reading one tensor per call. Memory is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -37,6 +40,7 @@ from rlhf_megatron.models.spec import (
     expected_hf_shapes,
     hf_names,
     hf_source,
+    is_expert_param,
     layer_offset,
     mcore_full_shape,
     mcore_param_names,
@@ -86,7 +90,9 @@ def _publish(tmp: Path, out: Path, force: bool) -> None:
 # -- hf-to-mcore -----------------------------------------------------------------
 
 
-def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | None) -> None:
+def _preflight_hf(
+    hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | None, ep: int = 1, etp: int | None = None
+) -> None:
     """Every tensor the model needs is present with the right shape, and the layout fits."""
     from rlhf_megatron.models.loader import is_scalar_head_param
 
@@ -97,8 +103,13 @@ def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | No
         raise ConversionError(
             f"num_attention_heads ({arch.num_attention_heads}) is not divisible by --tp {tp}"
         )
+    if arch.moe is None and ep > 1:
+        raise ConversionError(f"--ep {ep}: {arch.architecture} has no experts; use --ep 1")
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ConversionError(f"--ep {ep} does not divide the model's {arch.moe.num_experts} experts")
     for name in mcore_param_names(arch):
-        tp_shard_slices(name, arch, 0, tp)  # raises if TP does not divide this parameter
+        size = (etp or tp) if is_expert_param(name, arch) else tp
+        tp_shard_slices(name, arch, 0, size)  # raises if (expert) TP does not divide this parameter
         for hf_name in hf_names(name, arch):
             if hf_name not in source:
                 if is_scalar_head_param(name, arch):
@@ -113,15 +124,15 @@ def _preflight_hf(hf_dir: Path, arch: ModelArch, tp: int, pp: int, vpp: int | No
                 )
 
 
-def _hf_to_mcore_rank(rank, world_size, hf_dir, tmp, arch_dict, tp, pp, vpp, dtype_flag):
+def _hf_to_mcore_rank(rank, world_size, hf_dir, tmp, arch_dict, tp, pp, vpp, dtype_flag, ep=1, etp=None):
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.checkpoint import save_model_checkpoint
     from rlhf_megatron.models.loader import load_hf_weights
     from rlhf_megatron.platform import init_model_parallel
 
     arch = ModelArch.from_dict(arch_dict)
-    init_model_parallel(tp, pp, vpp)
-    parallel = ParallelConfig(tp, pp, vpp)
+    init_model_parallel(tp, pp, vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    parallel = ParallelConfig(tp, pp, vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     chunks = build_gpt_model(arch, parallel, params_dtype=_DTYPES[dtype_flag], init_weights=False)
     load_hf_weights(chunks, hf_dir, arch, progress=rank == 0)
     save_model_checkpoint(chunks, tmp, arch, parallel, hf_dir=hf_dir, source=str(Path(hf_dir).resolve()))
@@ -129,6 +140,12 @@ def _hf_to_mcore_rank(rank, world_size, hf_dir, tmp, arch_dict, tp, pp, vpp, dty
 
 def _under_torchrun() -> bool:
     return torch.distributed.is_initialized() or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def conversion_world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """Ranks a conversion runs on: the dense grid (TP x DP) and the expert grid (ETP x EP x expert
+    DP) must cover the same ranks per pipeline stage, so ``lcm(tp, etp x ep)`` of them per stage."""
+    return math.lcm(tp, (etp or tp) * ep) * pp
 
 
 def convert_hf_to_mcore(
@@ -140,11 +157,14 @@ def convert_hf_to_mcore(
     dtype: str = "fp32",
     head: str | None = None,
     force: bool = False,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> Path:
-    """HF safetensors -> megatron distributed checkpoint at layout TP×PP(×VPP). Returns ``out``."""
+    """HF safetensors -> megatron distributed checkpoint at layout TP×PP(×VPP)(×EP, ETP). Returns ``out``."""
     hf_dir, out = Path(hf_dir), Path(out)
     arch = ModelArch.from_hf_dir(hf_dir, head=head)
-    _preflight_hf(hf_dir, arch, tp, pp, vpp)
+    _preflight_hf(hf_dir, arch, tp, pp, vpp, ep, etp)
+    world = conversion_world_size(tp, pp, ep, etp)
     if _under_torchrun():
         # torchrun started world_size copies of this command: each rank converts its part.
         from rlhf_megatron.platform import init_distributed
@@ -167,6 +187,8 @@ def convert_hf_to_mcore(
             pp,
             vpp,
             dtype,
+            ep,
+            etp,
         )
         if rank == 0:
             _publish(tmp, out, force)
@@ -178,7 +200,7 @@ def convert_hf_to_mcore(
     try:
         run_on_ranks(
             _hf_to_mcore_rank,
-            tp * pp,
+            world,
             str(hf_dir),
             str(tmp),
             arch.to_dict(),
@@ -186,6 +208,8 @@ def convert_hf_to_mcore(
             pp,
             vpp,
             dtype,
+            ep,
+            etp,
             timeout_s=7 * 24 * 3600.0,
         )
         _publish(tmp, out, force)
@@ -276,7 +300,29 @@ def _arch_to_hf_fields(arch: ModelArch) -> dict:
         rope_parameters=rope,
         sliding_window=arch.sliding_window,
         initializer_range=arch.initializer_range,
+        **_moe_arch_to_hf_fields(arch),
     )
+
+
+def _moe_arch_to_hf_fields(arch: ModelArch) -> dict:
+    """The experts' config keys in each family's spelling (none for dense models)."""
+    moe = arch.moe
+    if moe is None:
+        return {}
+    common = dict(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef)
+    if arch.model_type == "mixtral":  # experts are intermediate_size wide; always renormalised
+        return dict(num_local_experts=moe.num_experts, **common)
+    out = dict(
+        num_experts=moe.num_experts,
+        moe_intermediate_size=moe.ffn_hidden_size,
+        norm_topk_prob=moe.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(arch.num_layers) if not arch.is_moe_layer(i)],
+        **common,
+    )
+    if arch.model_type == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size, qkv_bias=arch.qkv_bias)
+    return out
 
 
 def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
@@ -429,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--tp", type=int, default=1, help="tensor-parallel size to convert at")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to convert at")
     h2m.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    h2m.add_argument("--ep", type=int, default=1, help="expert-parallel size (mixture-of-experts models)")
+    h2m.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     h2m.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype to store")
     h2m.add_argument(
         "--head",
@@ -469,7 +517,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "hf-to-mcore":
             out = convert_hf_to_mcore(
-                args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.head, args.force
+                args.hf,
+                args.out,
+                args.tp,
+                args.pp,
+                args.vpp,
+                args.dtype,
+                args.head,
+                args.force,
+                args.ep,
+                args.etp,
             )
         else:
             out = convert_mcore_to_hf(

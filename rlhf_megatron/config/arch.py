@@ -3,8 +3,9 @@
 Role: gives validation, the memory planner and the trainer's MFU one ``ModelArch`` per
 role without a model hub or transformers: from the ``model_arch`` section when a preset
 carries one (HF ``config.json`` keys), else from ``<model.path>/config.json``.
-``count_parameters`` computes the model's size from it; a test holds it to published
-totals within 0.5%.
+``count_parameters`` computes the model's size from it, total and active (what one token
+passes through: for a mixture-of-experts model its top-k experts, not all); a test holds
+them to published figures.
 
 Boundaries: pure functions over the config and JSON files; no torch, no transformers.
 """
@@ -66,24 +67,38 @@ def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArch | None, str]:
 
 @dataclass(frozen=True)
 class ParamCount:
-    """Parameter counts of a decoder, split where pipeline stages and TP split them."""
+    """Parameter counts of a decoder, split where pipeline stages, TP and EP split them."""
 
     embedding: int
     """Input embedding (vocab x hidden); lives on the first pipeline stage."""
-    per_layer: int
-    """One transformer layer: attention, SwiGLU MLP, two RMSNorms."""
-    num_layers: int
-    """Layers in the model."""
+    layers: tuple[int, ...]
+    """Each transformer layer without its routed experts: attention, two RMSNorms, and the dense
+    SwiGLU MLP, or a sparse layer's router and shared expert (TP splits these)."""
     final_norm: int
     """Final RMSNorm; last stage."""
     output: int
     """LM head (0 when tied to the embedding) or value head; last stage."""
     vision: int = 0
     """Vision tower and patch merger of a vision-language model; first stage, like the embedding."""
+    experts: tuple[int, ...] = ()
+    """Each layer's routed experts, all of them (0 for dense layers; EP x ETP splits these)."""
+    active_experts: tuple[int, ...] = ()
+    """Each layer's routed experts that one token passes through (its top-k)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @property
     def total(self) -> int:
-        return self.vision + self.embedding + self.per_layer * self.num_layers + self.final_norm + self.output
+        dense = self.vision + self.embedding + sum(self.layers) + self.final_norm + self.output
+        return dense + sum(self.experts)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through: everything but the experts it is not routed to
+        (the published "activated parameters" of MoE models; equal to ``total`` for dense ones)."""
+        return self.total - sum(self.experts) + sum(self.active_experts)
 
 
 def count_vision_parameters(vision: VisionArch) -> int:
@@ -106,8 +121,8 @@ def count_vision_parameters(vision: VisionArch) -> int:
 
 def count_parameters(arch: ModelArch) -> ParamCount:
     """Parameters of ``arch`` (RMSNorm, RoPE, GQA, SwiGLU; Q/K/V biases and q/k norms where the
-    family has them; the vision tower of a vision-language model). A value or reward head is a
-    hidden -> 1 projection (plus its bias)."""
+    family has them; routers, routed and shared experts of sparse layers; the vision tower of a
+    vision-language model). A value or reward head is a hidden -> 1 projection (plus its bias)."""
     h, d = arch.hidden_size, arch.head_dim
     q_width, kv_width = arch.num_attention_heads * d, arch.num_kv_heads * d
     attention = h * q_width + 2 * h * kv_width + q_width * h
@@ -115,8 +130,21 @@ def count_parameters(arch: ModelArch) -> ParamCount:
         attention += q_width + 2 * kv_width
     if arch.qk_norm:
         attention += 2 * d
-    mlp = 3 * h * arch.ffn_hidden_size  # gate, up, down
     norms = 2 * h
+    layers, experts, active = [], [], []
+    for i in range(arch.num_layers):
+        if not arch.is_moe_layer(i):
+            layers.append(attention + norms + 3 * h * arch.ffn_hidden_size)  # gate, up, down
+            experts.append(0)
+            active.append(0)
+            continue
+        moe = arch.moe
+        shared = 0
+        if moe.shared_expert_ffn_hidden_size:  # SwiGLU plus its [1, hidden] sigmoid gate
+            shared = 3 * h * moe.shared_expert_ffn_hidden_size + h
+        layers.append(attention + norms + moe.num_experts * h + shared)  # router [E, hidden]
+        experts.append(moe.num_experts * 3 * h * moe.ffn_hidden_size)
+        active.append(moe.top_k * 3 * h * moe.ffn_hidden_size)
     embedding = arch.vocab_size * h
     if arch.head != "lm":
         output = h + int(arch.head_bias)
@@ -124,9 +152,10 @@ def count_parameters(arch: ModelArch) -> ParamCount:
         output = 0 if arch.tie_word_embeddings else arch.vocab_size * h
     return ParamCount(
         embedding=embedding,
-        per_layer=attention + mlp + norms,
-        num_layers=arch.num_layers,
+        layers=tuple(layers),
         final_norm=h,
         output=output,
         vision=count_vision_parameters(arch.vision) if arch.vision is not None else 0,
+        experts=tuple(experts),
+        active_experts=tuple(active),
     )

@@ -9,10 +9,12 @@ checkpoints store it as JSON. A preset's ``model_arch`` section and a checkpoint
 
 Supported families (causal LM, plus the token/sequence-classification variants
 used for critics and reward models): Llama 2/3/3.x, Mistral, Qwen2/Qwen2.5,
-Qwen3; and the vision-language Qwen2-VL and Qwen2.5-VL
-(``*ForConditionalGeneration``: a Qwen2 language model with M-RoPE plus a vision
-tower, described by ``VisionArch``). Anything else is rejected here, with the
-list of what is supported, so an unsupported model never reaches megatron.
+Qwen3; the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral (top-k softmax
+routers over SwiGLU experts, described by ``MoEArch``); and the vision-language
+Qwen2-VL and Qwen2.5-VL (``*ForConditionalGeneration``: a Qwen2 language model
+with M-RoPE plus a vision tower, described by ``VisionArch``). Anything else is
+rejected here, with the list of what is supported, so an unsupported model never
+reaches megatron.
 
 Vision-language configs come in two layouts, both accepted: the hub's (text keys at
 the top level, ``rope_scaling: {type: mrope, mrope_section}``, ``vision_config``) and
@@ -34,6 +36,7 @@ from typing import Any, Literal
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "HeadKind",
+    "MoEArch",
     "ModelArch",
     "RopeScaling",
     "UnsupportedModelError",
@@ -64,14 +67,19 @@ class _Family:
     vision: bool = False
     norm_eps: float = 1e-6
     """transformers' default ``rms_norm_eps`` when config.json omits it."""
+    moe: bool = False
+    """Mixture-of-experts MLPs (read by ``_moe_arch``)."""
 
 
-# The text families differ only in the two switches; everything else is shared.
+# The text families differ only in the switches; everything else is shared.
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family("Llama", False, False, _TEXT_HEADS),
     "mistral": _Family("Mistral", False, False, _TEXT_HEADS),
     "qwen2": _Family("Qwen2", True, False, _TEXT_HEADS),
     "qwen3": _Family("Qwen3", False, True, _TEXT_HEADS),
+    "qwen2_moe": _Family("Qwen2Moe", True, False, _TEXT_HEADS, moe=True),
+    "qwen3_moe": _Family("Qwen3Moe", False, True, _TEXT_HEADS, moe=True),
+    "mixtral": _Family("Mixtral", False, False, _TEXT_HEADS, norm_eps=1e-5, moe=True),
     "qwen2_vl": _Family("Qwen2VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
     "qwen2_5_vl": _Family("Qwen2_5_VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
 }
@@ -192,13 +200,43 @@ class VisionArch:
 
 
 @dataclass(frozen=True)
+class MoEArch:
+    """The mixture-of-experts MLPs of Qwen2-MoE, Qwen3-MoE and Mixtral.
+
+    A sparse layer routes each token to ``top_k`` of ``num_experts`` SwiGLU experts:
+    router logits in fp32, softmax, top-k (renormalised over the k when ``norm_topk_prob``),
+    the experts' outputs summed with those weights. Qwen2-MoE adds a shared expert on
+    every token, scaled by ``sigmoid(shared_expert_gate(x))``. Layers not in
+    ``moe_layers`` are dense (``ModelArch.ffn_hidden_size``).
+    """
+
+    num_experts: int
+    top_k: int
+    """Experts per token (HF ``num_experts_per_tok``)."""
+    ffn_hidden_size: int
+    """Width of one expert (HF ``moe_intermediate_size``; Mixtral's ``intermediate_size``)."""
+    norm_topk_prob: bool
+    """Renormalise the top-k probabilities to sum to 1 (Mixtral always does)."""
+    aux_loss_coef: float
+    """Load-balancing loss coefficient (HF ``router_aux_loss_coef``)."""
+    moe_layers: tuple[int, ...]
+    """The sparse layers (HF: not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Qwen2-MoE's shared expert width (``shared_expert_intermediate_size``); None without one."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """A decoder-only transformer (optionally with a vision tower) as described by an HF ``config.json``."""
 
     architecture: str
     """HF class name, e.g. ``LlamaForCausalLM`` (one of ``SUPPORTED_ARCHITECTURES``)."""
     model_type: str
-    """HF ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_vl`` or ``qwen2_5_vl``."""
+    """HF ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``, ``qwen3_moe``,
+    ``mixtral``, ``qwen2_vl`` or ``qwen2_5_vl``."""
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -237,6 +275,8 @@ class ModelArch:
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    moe: MoEArch | None = None
+    """The experts of a mixture-of-experts model; None for dense models."""
 
     # -- derived sizes -------------------------------------------------------
 
@@ -253,6 +293,10 @@ class ModelArch:
     @property
     def is_vision_language(self) -> bool:
         return self.vision is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (global index) has routed experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Rows of megatron's embedding/output layer at TP size ``tp_size``.
@@ -292,6 +336,8 @@ class ModelArch:
             data["vision"] = VisionArch(**vision)
         if data.get("mrope_section") is not None:
             data["mrope_section"] = tuple(data["mrope_section"])
+        if data.get("moe") is not None:
+            data["moe"] = MoEArch(**{**data["moe"], "moe_layers": tuple(data["moe"]["moe_layers"])})
         return cls(**data)
 
     @classmethod
@@ -341,6 +387,7 @@ class ModelArch:
         # transformers' Qwen2-VL attention derives head_dim from hidden / heads, whatever config says.
         head_dim = hidden // heads if family.vision else int(text.get("head_dim") or hidden // heads)
         theta, scaling = _rope(text, source, allow_mrope=family.vision)
+        moe = _moe_arch(text, model_type, source) if family.moe else None
         arch = cls(
             architecture=architecture,
             model_type=model_type,
@@ -352,7 +399,8 @@ class ModelArch:
             ffn_hidden_size=int(text["intermediate_size"]),
             vocab_size=int(text["vocab_size"]),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias,
+            # Qwen2-MoE's config may switch its q/k/v biases off (``qkv_bias``).
+            qkv_bias=bool(text.get("qkv_bias", True)) if model_type == "qwen2_moe" else family.qkv_bias,
             qk_norm=family.qk_norm,
             rope_theta=theta,
             rope_scaling=scaling,
@@ -362,6 +410,7 @@ class ModelArch:
             head=head_of_config,
             head_bias=head_of_config == "value" and bool(text.get("token_classification_bias", True)),
             initializer_range=float(text.get("initializer_range", 0.02)),
+            moe=moe,
             **(_vision_fields(config, text, model_type, hidden, head_dim, source) if family.vision else {}),
         )
         return arch.with_head(head) if head is not None else arch
@@ -474,6 +523,65 @@ def _rope(config: dict[str, Any], source: str, allow_mrope: bool = False) -> tup
         )
     raise UnsupportedModelError(
         f"{source}: RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+# -- mixture of experts ------------------------------------------------------------
+
+
+# transformers' defaults for a family's missing MoE keys: (experts, per token, expert width, shared width).
+_MOE_DEFAULTS = {
+    "mixtral": (8, 2, None, None),
+    "qwen2_moe": (60, 4, 1408, 5632),
+    "qwen3_moe": (128, 8, 768, None),
+}
+
+
+def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
+    """``MoEArch`` from a Qwen2-MoE / Qwen3-MoE / Mixtral config (transformers' defaults for missing keys).
+
+    Hub configs name the expert count ``num_experts`` (Qwen) or ``num_local_experts``
+    (Mixtral); transformers 5 writes ``num_local_experts`` for Qwen3-MoE too.
+    """
+    experts, top_k, width, shared = _MOE_DEFAULTS[model_type]
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or experts)
+    top_k = int(config.get("num_experts_per_tok") or top_k)
+    layers = int(config["num_hidden_layers"])
+    if model_type == "mixtral":
+        if float(config.get("router_jitter_noise") or 0.0) > 0:
+            raise UnsupportedModelError(
+                f"{source}: router_jitter_noise={config['router_jitter_noise']} is not supported (megatron's "
+                "jitter multiplies only the router input); set it to 0.0 as Mixtral's release does"
+            )
+        width, norm, sparse = int(config["intermediate_size"]), True, tuple(range(layers))
+    else:
+        width, norm = (
+            int(config.get("moe_intermediate_size") or width),
+            bool(config.get("norm_topk_prob", False)),
+        )
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in config.get("mlp_only_layers") or ()}
+        bad = sorted(i for i in dense if not 0 <= i < layers)
+        if step < 1 or bad:
+            raise UnsupportedModelError(
+                f"{source}: decoder_sparse_step={step} / mlp_only_layers {bad} do not describe layers "
+                f"0..{layers - 1}; decoder_sparse_step must be >= 1 and mlp_only_layers name existing layers"
+            )
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if not 1 <= top_k <= experts:
+        raise UnsupportedModelError(
+            f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts"
+        )
+    if model_type == "qwen2_moe":
+        shared = config.get("shared_expert_intermediate_size", shared)
+    return MoEArch(
+        num_experts=experts,
+        top_k=top_k,
+        ffn_hidden_size=width,
+        norm_topk_prob=norm,
+        aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+        moe_layers=sparse,
+        shared_expert_ffn_hidden_size=int(shared) if shared else None,
     )
 
 

@@ -29,6 +29,17 @@ for every role and every phase of a PPO step, and whether the peak fits
 
 Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe side.
 
+Mixture-of-experts models: a rank holds its stage's dense parts (attention, norms, routers,
+shared experts, dense MLPs, embedding) split by TP, and its stage's routed experts split by
+EP x ETP; the experts' fp32 grads and Adam state shard over the expert data-parallel group
+(world / (ETP x EP x PP)) with the distributed optimizer, the dense parts' over DP. Per
+token, a sparse layer keeps k dispatched copies of its input and each copy's expert
+activations (fc1 gate/up and product, / ETP), the router's fp32 logits and probabilities
+and the shared expert's activations; one layer's all-to-all send and receive buffers (k
+copies of every token, x ETP after the expert-TP gather) are added as a transient. vLLM
+holds every expert, split by its TP (its expert parallelism is off). The first line of the
+plan gives total and active (per token) parameters.
+
 Vision-language models: the vision tower's parameters count on the first pipeline stage
 (with the embedding) and in vLLM's weights. Images enter the language model as placeholder
 tokens, one per merged patch (``t·h·w / m²`` per image, e.g. 1,024 for an 896 x 896 image
@@ -168,6 +179,8 @@ class MemoryPlan:
     """The actor's total parameter count (vision tower included)."""
     vision_params: int = 0
     """Of which the vision tower and merger (0 for text models)."""
+    active_params: int = 0
+    """Parameters one token passes through (a mixture-of-experts model's top-k experts; else the total)."""
 
     @property
     def peak(self) -> Phase:
@@ -176,6 +189,39 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return not self.problems
+
+
+def _expert_split(m: DictConfig) -> tuple[int, int]:
+    """(EP, ETP) of a role's megatron section; ETP null means the TP size."""
+    return m.expert_model_parallel_size, m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+
+
+def _mlp_width(arch: ModelArch, m: DictConfig) -> float:
+    """Activation values per token one layer's MLP keeps, averaged over the layers: SwiGLU fc1
+    output (gate + up), their product / TP for a dense layer; for a sparse layer k dispatched
+    copies of the token (input and expert output, hidden each) and each copy's expert fc1/product
+    / ETP, the router's fp32 logits and probabilities, and the shared expert's / TP."""
+    tp, e = m.tensor_model_parallel_size, DTYPE_BYTES[m.params_dtype]
+    dense = 3 * arch.ffn_hidden_size / tp
+    moe = arch.moe
+    if moe is None:
+        return dense
+    _, etp = _expert_split(m)
+    sparse = moe.top_k * (2 * arch.hidden_size + 3 * moe.ffn_hidden_size / etp)
+    sparse += 2 * moe.num_experts * 4 / e  # fp32 router logits and probabilities
+    sparse += 3 * (moe.shared_expert_ffn_hidden_size or 0) / tp
+    frac = len(moe.moe_layers) / arch.num_layers
+    return frac * sparse + (1 - frac) * dense
+
+
+def _dispatch_bytes(arch: ModelArch, m: DictConfig, tokens: float) -> float:
+    """One sparse layer's all-to-all buffers: send and receive of k copies of every token (the
+    receive gathered over ETP). Transient: one layer at a time."""
+    if arch.moe is None:
+        return 0.0
+    _, etp = _expert_split(m)
+    per_copy = arch.hidden_size * DTYPE_BYTES[m.params_dtype]
+    return tokens / m.context_parallel_size * arch.moe.top_k * per_copy * (1 + etp)
 
 
 def _activation_per_layer(
@@ -189,7 +235,7 @@ def _activation_per_layer(
     q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     local_tokens = tokens / cp
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
-    split = (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) / tp  # q,k,v, attn out, fc1 (gate+up), fc2 input
+    split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
     per_token = e * (replicated + split)
     if with_scores:  # softmax probabilities: heads/TP x (local) queries x keys
         per_token += e * arch.num_attention_heads / tp * seq / cp
@@ -218,20 +264,32 @@ def _stage_activations(
             per_microbatch, transient = k * layer_input + (layers - k) * dense, dense
         else:  # uniform: one checkpoint per k layers, k layers re-materialised at a time
             per_microbatch, transient = math.ceil(layers / k) * layer_input, k * dense
+        transient += _dispatch_bytes(arch, m, tokens)
         return per_microbatch * inflight + transient, per_microbatch + transient
-    return layers * full * inflight, layers * full
+    dispatch = _dispatch_bytes(arch, m, tokens)
+    return layers * full * inflight + dispatch, layers * full + dispatch
 
 
-def _stage_params(arch: ModelArch, pp: int) -> list[int]:
-    """Parameter count of the first and the last pipeline stage (one entry when PP = 1)."""
+def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:
+    """``(dense, routed experts)`` parameter counts of the first and the last pipeline rank (one
+    entry when PP = 1); with VPP a rank holds every PP-th chunk of layers."""
     c = count_parameters(arch)
-    value_head = arch.head != "lm"
-    layers = c.per_layer * (arch.num_layers // pp)
     if pp == 1:
-        return [c.total]
+        return [(c.total - sum(c.experts), sum(c.experts))]
+    chunks = pp * (vpp or 1)
+    size = arch.num_layers // chunks
+
+    def layers_of(rank: int) -> list[int]:
+        return [i for chunk in range(rank, chunks, pp) for i in range(chunk * size, (chunk + 1) * size)]
+
+    value_head = arch.head != "lm"
     # A tied LM head keeps a copy of the embedding on the last stage.
     last_output = c.embedding if (arch.tie_word_embeddings and not value_head) else c.output
-    return [layers + c.embedding + c.vision, layers + c.final_norm + last_output]
+    out = []
+    for rank, extra in ((0, c.embedding + c.vision), (pp - 1, c.final_norm + last_output)):
+        mine = layers_of(rank)
+        out.append((sum(c.layers[i] for i in mine) + extra, sum(c.experts[i] for i in mine)))
+    return out
 
 
 def _micro_tokens(cfg: DictConfig, spec_key: str, seq: int) -> float:
@@ -264,6 +322,7 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
     master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
     fwd_tokens = _micro_tokens(cfg, forward_key, seq)
     fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, with_scores=True)
+    fwd_act += _dispatch_bytes(arch, m, fwd_tokens)
     if trains:
         tokens = _micro_tokens(cfg, train_key, seq)
         acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity)
@@ -271,16 +330,23 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
             arch, m, tokens, seq, None if m.recompute_granularity else "selective"
         )
 
-    stages = _stage_params(arch, pp)
+    ep, etp = _expert_split(m)
+    edp = max(1, world // (etp * ep * pp))  # expert data-parallel size: shards the experts' optimizer
+    layout = f"TP{tp} PP{pp} VPP{m.virtual_pipeline_model_parallel_size or '-'} CP{cp} DP{dp}"
+    if arch.moe is not None:
+        layout += f" EP{ep} ETP{etp}"
+    stages = _stage_params(arch, pp, m.virtual_pipeline_model_parallel_size)
     candidates = []
-    for stage, count in enumerate(stages):
-        local = count / tp
+    for stage, (dense, experts) in enumerate(stages):
+        local_dense, local_experts = dense / tp, experts / (ep * etp)
+        local = local_dense + local_experts
         first, last = stage == 0, stage == len(stages) - 1
-        opt_full, opt_sharded = local * (master + 8), local * (master + 8) / dp
+        opt_full = local * (master + 8)
+        opt_sharded = (local_dense / dp + local_experts / edp) * (master + 8)
         candidates.append(
             RoleMemory(
                 role=role,
-                layout=f"TP{tp} PP{pp} VPP{m.virtual_pipeline_model_parallel_size or '-'} CP{cp} DP{dp}",
+                layout=layout,
                 params=int(local),
                 weights=local * e,
                 grads=local * 4 if trains else 0.0,
@@ -304,6 +370,9 @@ def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemo
     tp, e = r.tensor_model_parallel_size, DTYPE_BYTES[r.dtype]
     weights = count_parameters(arch).total * e / tp
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    if arch.moe is not None:  # every token through k experts (and the shared one); dense layers if any
+        routed = arch.moe.top_k * arch.moe.ffn_hidden_size + (arch.moe.shared_expert_ffn_hidden_size or 0)
+        f = max(routed, f if len(arch.moe.moe_layers) < arch.num_layers else 0)
     q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     # vLLM's profiling forward over max_num_batched_tokens: widest live tensors of one layer,
     # plus fp32 logits of the last token of each scheduled sequence (gathered over TP).
@@ -396,6 +465,7 @@ def plan_memory(
         phases=phases,
         model_params=count_parameters(archs["actor"][0]).total,
         vision_params=count_parameters(archs["actor"][0]).vision,
+        active_params=count_parameters(archs["actor"][0]).active,
     )
     for phase in phases:
         if phase.total > gpu:
@@ -423,6 +493,8 @@ def _gib(value: float) -> str:
 def format_plan(plan: MemoryPlan, title: str = "") -> str:
     """The plan as a plain-text table (GiB per GPU)."""
     total = f"{_count(plan.model_params)} parameters"
+    if plan.active_params and plan.active_params != plan.model_params:
+        total += f", {_count(plan.active_params)} active per token"
     if plan.vision_params:
         total += f", of which vision tower {_count(plan.vision_params)}"
     lines = [f"memory plan: {title} ({total})" if title else f"memory plan ({total})"]
@@ -431,11 +503,12 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
         "(prompt + response); GiB per GPU, worst pipeline stage"
     )
     lines.append("")
-    header = f"{'role':<13}{'layout':<26}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'optim*':>9}{'activ':>9}{'activ*':>9}{'logits':>9}"
+    width = max(26, *(len(r.layout) + 1 for r in plan.roles))
+    header = f"{'role':<13}{'layout':<{width}}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'optim*':>9}{'activ':>9}{'activ*':>9}{'logits':>9}"
     lines += [header, "-" * len(header)]
     for r in plan.roles:
         lines.append(
-            f"{r.role:<13}{r.layout:<26}{_count(r.params):>9}{_gib(r.weights):>9}{_gib(r.grads):>9}"
+            f"{r.role:<13}{r.layout:<{width}}{_count(r.params):>9}{_gib(r.weights):>9}{_gib(r.grads):>9}"
             f"{_gib(r.optimizer):>9}{_gib(r.optimizer_other):>9}{_gib(r.activations):>9}"
             f"{_gib(r.activations_other):>9}{_gib(r.logits):>9}"
         )

@@ -144,6 +144,16 @@ class MegatronConfig:
     context_parallel_size: int = 1
     """Context parallel size (CP): splits every sequence over this many GPUs in attention."""
 
+    expert_model_parallel_size: int = 1
+    """Expert parallel size (EP) of a mixture-of-experts model: each GPU of an EP group holds
+    ``num_experts / EP`` of every sparse layer's experts, and tokens travel to their experts by
+    all-to-all. Must divide the number of experts; ``ETP x EP x PP`` must divide the world size.
+    1 for dense models."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Expert tensor parallel size (ETP): splits each expert's matrices over this many GPUs;
+    null means the TP size (megatron's default). Must divide ``moe_intermediate_size``."""
+
     sequence_parallel: bool = True
     """Shard norm/dropout activations along the sequence over the TP group (switched off
     when TP is 1, as verl does)."""
@@ -189,6 +199,8 @@ def _follow_actor_megatron(**overrides: Any) -> MegatronConfig:
             "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
             "sequence_parallel",
             "params_dtype",
         )

@@ -584,6 +584,95 @@ def check_vision_language_options(ctx: ValidationContext) -> list[str]:
     return out
 
 
+def check_expert_parallel(ctx: ValidationContext) -> list[str]:
+    """Each role's expert parallelism fits its model and the cluster: EP only for a
+    mixture-of-experts model, EP dividing the experts, ETP dividing each expert's width, and
+    ``ETP x EP x PP`` dividing the world size (megatron lays the experts out on that grid)."""
+    out = []
+    for role in ctx.roles:
+        m = megatron_section(ctx.cfg, role)
+        key = f"{ROLE_SECTIONS[role]}.megatron"
+        ep, etp, pp = (
+            m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size,
+            m.pipeline_model_parallel_size,
+        )
+        if ep < 1 or (etp is not None and etp < 1):
+            out.append(
+                f"{key}.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1"
+            )
+            continue
+        etp = etp or m.tensor_model_parallel_size
+        arch, source = ctx.archs[role]
+        if arch is not None and arch.moe is None:
+            if ep > 1:
+                out.append(
+                    f"{key}.expert_model_parallel_size={ep}, but {arch.architecture} ({source}) has no experts; "
+                    "set it to 1 (expert parallelism applies to mixture-of-experts models only)"
+                )
+            continue
+        if arch is not None:
+            experts, width = arch.moe.num_experts, arch.moe.ffn_hidden_size
+            if experts % ep:
+                out.append(
+                    f"{key}.expert_model_parallel_size={ep} must divide the {experts} experts ({source}); "
+                    f"use one of: {_divisors_of_both(experts, experts)}"
+                )
+            if width % etp:
+                out.append(
+                    f"{key}.expert_tensor_parallel_size={etp} (null: the TP size) must divide moe_intermediate_size="
+                    f"{width} ({source}); use one of: {_divisors_of_both(width, width)}"
+                )
+            shared, tp = arch.moe.shared_expert_ffn_hidden_size or 0, m.tensor_model_parallel_size
+            if shared % tp:  # the shared expert is split like a dense MLP
+                out.append(
+                    f"{key}.tensor_model_parallel_size={tp} must divide shared_expert_intermediate_size={shared} "
+                    f"({source}); use one of: {_divisors_of_both(shared, arch.num_attention_heads)}"
+                )
+        if ctx.world % (etp * ep * pp):
+            out.append(
+                f"world size {ctx.world} is not divisible by {key} expert_tensor_parallel_size x "
+                f"expert_model_parallel_size x pipeline_model_parallel_size = {etp} x {ep} x {pp} = {etp * ep * pp}; "
+                "megatron places the experts on that grid: change the expert sizes or the number of GPUs"
+            )
+    return out
+
+
+def check_moe_training_layout(ctx: ValidationContext) -> list[str]:
+    """A trained mixture-of-experts role with TP > 1 needs sequence parallelism, which needs
+    transformer-engine (GPU); and vLLM's TP must split each expert evenly for the sharded format."""
+    out = []
+    cpu = ctx.get("trainer.device") == "cpu"
+    for role, section in _trained_roles(ctx):
+        arch, source = ctx.archs[role]
+        m = megatron_section(ctx.cfg, role)
+        tp = m.tensor_model_parallel_size
+        if arch is None or arch.moe is None or tp == 1 or (m.sequence_parallel and not cpu):
+            continue
+        why = (
+            "trainer.device=cpu (sequence parallelism needs transformer-engine)"
+            if cpu
+            else "sequence_parallel=false"
+        )
+        out.append(
+            f"{section}.megatron.tensor_model_parallel_size={tp} trains the mixture-of-experts {arch.architecture} "
+            f"({source}) only with sequence parallelism, but {why}: without it every TP rank routes the same "
+            "tokens and the experts' gradients count each token once per rank. Set tensor_model_parallel_size=1 "
+            "and split the experts with expert_model_parallel_size / expert_tensor_parallel_size"
+            + ("" if cpu else ", or set sequence_parallel=true")
+        )
+    arch, source = ctx.archs["actor"]
+    tp = ctx.get(f"{ROLLOUT}.tensor_model_parallel_size")
+    sharded = ctx.get(f"{ROLLOUT}.load_format") == "sharded"
+    if sharded and arch is not None and arch.moe is not None and arch.moe.ffn_hidden_size % tp:
+        out.append(
+            f"{ROLLOUT}.tensor_model_parallel_size={tp} must divide moe_intermediate_size="
+            f"{arch.moe.ffn_hidden_size} ({source}) for load_format=sharded (vLLM splits every expert over "
+            "its TP ranks); use load_format=hf or another TP size"
+        )
+    return out
+
+
 RULES: tuple[Rule, ...] = (
     check_strategy,
     check_choices,
@@ -611,6 +700,8 @@ RULES: tuple[Rule, ...] = (
     check_recompute,
     check_vision_tp_divides_heads,
     check_vision_language_options,
+    check_expert_parallel,
+    check_moe_training_layout,
 )
 
 # Rules whose arithmetic divides by or compares sizes; they run only when the sizes

@@ -4,7 +4,9 @@
 virtual pipeline stage (a single chunk without VPP). Every chunk of a text
 model is a plain megatron-core ``GPTModel``; a vision-language model's chunk is
 a ``VisionLanguageModel`` around such a ``GPTModel`` (M-RoPE), holding the
-vision tower on the first chunk of the first stage. Either way megatron's DDP,
+vision tower on the first chunk of the first stage. A mixture-of-experts model's
+``GPTModel`` has megatron MoE layers (router, experts split over expert
+parallelism, see ``moe.py``) where its HF config has sparse layers. Either way megatron's DDP,
 optimizers, schedules and distributed checkpointing apply unchanged. Layer
 implementations are chosen here (and, for the tower, in ``vision.py``):
 transformer-engine modules on GPU, megatron's local (pure PyTorch) modules on CPU.
@@ -28,6 +30,7 @@ from megatron.core.transformer import TransformerConfig
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.heads import attach_scalar_head
+from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
 from rlhf_megatron.models.vision_language import VisionLanguageModel
 from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
@@ -50,6 +53,14 @@ class ParallelConfig:
     """Ranks that split the sequence for attention (needs transformer-engine, GPU only)."""
     sequence_parallel: bool = False
     """Split activations outside attention/MLP along the sequence over TP ranks (GPU only)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split a mixture-of-experts layer's experts (EP); 1 for dense models."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks that split each expert's matrices (ETP); None means the TP size (megatron's default)."""
+
+    def __post_init__(self):
+        if self.expert_tensor_parallel_size is None:  # resolved, so equal layouts compare equal
+            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
 
     @classmethod
     def current(cls, sequence_parallel: bool = False) -> ParallelConfig:
@@ -61,6 +72,8 @@ class ParallelConfig:
             virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=ps.get_context_parallel_world_size(),
             sequence_parallel=sequence_parallel,
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         )
 
 
@@ -73,7 +86,7 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_model: megatron's parallel state is not initialised; call "
-            "rlhf_megatron.platform.init_model_parallel(tp, pp, vpp, cp) first"
+            "rlhf_megatron.platform.init_model_parallel(tp, pp, vpp, cp, ep, etp) first"
         )
     current = ParallelConfig.current(parallel.sequence_parallel)
     if current != parallel:
@@ -92,10 +105,12 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
     ):
         if n % tp:
             raise ValueError(f"{arch.architecture}: {what} ({n}) is not divisible by TP size {tp}")
-    if arch.ffn_hidden_size % tp:
+    has_dense_mlp = arch.moe is None or len(arch.moe.moe_layers) < arch.num_layers
+    if has_dense_mlp and arch.ffn_hidden_size % tp:
         raise ValueError(
             f"{arch.architecture}: intermediate_size ({arch.ffn_hidden_size}) is not divisible by TP {tp}"
         )
+    _check_experts(arch, parallel)
     if arch.vision is not None and arch.vision.num_heads % tp:
         raise ValueError(
             f"{arch.architecture}: vision_config.num_heads ({arch.vision.num_heads}) is not divisible by TP {tp}"
@@ -120,14 +135,37 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
         raise ValueError("context_parallel_size > 1 needs transformer-engine attention (GPU); use 1 on CPU")
 
 
+def _check_experts(arch: ModelArch, parallel: ParallelConfig) -> None:
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    moe = arch.moe
+    if moe is None:
+        if ep > 1:
+            raise ValueError(
+                f"{arch.architecture} has no experts; expert_model_parallel_size={ep} needs a "
+                "mixture-of-experts model (set it to 1)"
+            )
+        return
+    for what, n, size, key in (
+        ("num_experts", moe.num_experts, ep, "expert_model_parallel_size"),
+        ("moe_intermediate_size", moe.ffn_hidden_size, etp, "expert_tensor_parallel_size"),
+        ("shared_expert_intermediate_size", moe.shared_expert_ffn_hidden_size or 0, parallel.tensor_model_parallel_size,
+         "tensor_model_parallel_size"),
+    ):  # fmt: skip
+        if n % size:
+            raise ValueError(f"{arch.architecture}: {what} ({n}) is not divisible by {key}={size}")
+
+
 def build_transformer_config(
     arch: ModelArch,
     parallel: ParallelConfig,
     params_dtype: torch.dtype = torch.float32,
     init_weights: bool = True,
+    use_te: bool | None = None,
     **overrides,
 ) -> TransformerConfig:
-    """The megatron ``TransformerConfig`` for ``arch`` (``overrides`` win, e.g. recompute settings)."""
+    """The megatron ``TransformerConfig`` for ``arch`` (``overrides`` win, e.g. recompute settings,
+    or ``moe_aux_loss_coeff`` in place of the HF config's ``router_aux_loss_coef``)."""
+    use_te = use_transformer_engine() if use_te is None else use_te
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -160,6 +198,11 @@ def build_transformer_config(
     )
     if arch.mrope_section is not None:
         kwargs["mrope_section"] = list(arch.mrope_section)
+    kwargs.update(
+        moe_config_kwargs(
+            arch, parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size, use_te
+        )
+    )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -213,12 +256,16 @@ def build_gpt_model(
     ``head_seed`` seeds the critic/reward head (and a vision tower's replicated
     patch embedding) so it is identical on all ranks. ``freeze_vision_tower``:
     the vision tower's parameters get no gradients (see
-    ``vision_language.freeze_vision_tower``).
+    ``vision_language.freeze_vision_tower``). ``config_overrides`` go to
+    ``TransformerConfig``, e.g. ``moe_aux_loss_coeff=0.01`` (instead of the HF config's
+    ``router_aux_loss_coef``) or ``moe_enable_routing_replay=True``.
     """
     use_te = use_transformer_engine() if use_te is None else use_te
     _check_parallel(arch, parallel, use_te)
-    config = build_transformer_config(arch, parallel, params_dtype, init_weights, **config_overrides)
+    config = build_transformer_config(arch, parallel, params_dtype, init_weights, use_te, **config_overrides)
     spec = _layer_spec(arch, use_te)
+    if arch.moe is not None and not use_te:
+        enable_moe_without_te()
     vpp = parallel.virtual_pipeline_model_parallel_size
     lm = arch.head == "lm"
     vl = arch.vision is not None
@@ -227,6 +274,9 @@ def build_gpt_model(
         stage = vp_stage if vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        if arch.moe is not None:  # this chunk's slice of the dense/sparse layer pattern
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            spec = moe_block_spec(config, use_te, stage, pp_rank)
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,

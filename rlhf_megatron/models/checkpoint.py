@@ -16,8 +16,13 @@ checkpoint; it records the ``ModelArch``, the layout it was saved from, the
 dtype and a sha256 of every other file.
 
 ``iter_checkpoint_tensors`` reads a checkpoint one full tensor (one layer's
-slice of megatron's layer-stacked tensors) at a time, in one process, for
-export without materialising the model.
+slice of megatron's layer-stacked tensors, one expert's slice of a layer's
+experts) at a time, in one process, for export without materialising the model.
+Mixture-of-experts checkpoints store a layer's experts as one tensor with a
+leading expert dimension (``mlp.experts.experts.linear_fc1.weight``: ``[E, ...]``
+per layer, ``[L, E, ...]`` stacked), which megatron reshards across EP sizes on
+load; a model whose layers are not all alike (dense layers among sparse ones)
+stores every layer under its own key (``decoder.layers.3.…``).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ HF_SIDE_FILE_PATTERNS = (
 # Layer-stacked tensors of the dist-checkpoint: the decoder's, the vision tower's
 # (``vision_model.decoder.layers.``) and a vision-language model's language model's.
 _LAYERS = "decoder.layers."
+# A layer's routed experts in the dist-checkpoint, and the per-expert name the spec uses.
+_EXPERTS, _LOCAL_EXPERT = ".mlp.experts.experts.", ".mlp.experts.local_experts.{}."
 
 
 class CheckpointError(ValueError):
@@ -90,6 +97,9 @@ class CheckpointMetadata:
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
     dtype: str
+    expert_model_parallel_size: int = 1
+    """EP size it was saved at (informational: a checkpoint loads at any EP that divides the experts)."""
+    expert_tensor_parallel_size: int | None = None
     """Parameter dtype as saved, e.g. ``float32`` or ``bfloat16``."""
     files: dict[str, str] = field(default_factory=dict)
     """sha256 of every other file in the directory (relative path -> hex digest)."""
@@ -108,6 +118,8 @@ class CheckpointMetadata:
             "tensor_model_parallel_size": self.tensor_model_parallel_size,
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
             "padded_vocab_size": self.arch.padded_vocab_size(self.tensor_model_parallel_size),
             "dtype": self.dtype,
             "source": self.source,
@@ -135,6 +147,8 @@ class CheckpointMetadata:
             pipeline_model_parallel_size=data["pipeline_model_parallel_size"],
             virtual_pipeline_model_parallel_size=data["virtual_pipeline_model_parallel_size"],
             dtype=data["dtype"],
+            expert_model_parallel_size=data.get("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=data.get("expert_tensor_parallel_size"),
             files=data.get("files", {}),
             sizes=data.get("sizes", {}),
             source=data.get("source"),
@@ -252,6 +266,8 @@ def save_model_checkpoint(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         dtype=str(dtype).removeprefix("torch."),
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size if arch.moe is not None else None,
         source=source,
     )
     if torch.distributed.get_rank() == 0:
@@ -292,7 +308,8 @@ def load_model_checkpoint(
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One full megatron tensor of a checkpoint (layer-stacked tensors split per layer)."""
+    """One full megatron tensor of a checkpoint: a slice of a stored tensor along its leading
+    layer and/or expert dimensions (``offsets``), or a whole one."""
 
     name: str  # global megatron name, e.g. decoder.layers.3.mlp.linear_fc1.weight
     key: str  # key in the dist-checkpoint, e.g. decoder.layers.mlp.linear_fc1.weight
@@ -300,10 +317,43 @@ class TensorSpec:
     num_layers: int | None
     shape: tuple[int, ...]
     dtype: torch.dtype
+    expert: int | None = None
+    """The global expert index of a routed expert's weight."""
+    offsets: tuple[tuple[int, int, int], ...] = ()
+    """``(dim, index, size)`` of each leading dimension this tensor is one entry of."""
+
+
+def _split_leading(key: str, sh) -> list[TensorSpec]:
+    """The per-layer (and per-expert) tensors of one stored tensor."""
+    at = key.find(_LAYERS)
+    shape, dtype = tuple(sh.global_shape), sh.dtype
+    if at < 0:
+        return [TensorSpec(key, key, None, None, shape, dtype)]
+    prefix, rest = key[: at + len(_LAYERS)], key[at + len(_LAYERS) :]
+    stacked = not rest.split(".", 1)[0].isdigit()  # decoder.layers.mlp.… vs decoder.layers.3.mlp.…
+    layers = [(i, (0, i, shape[0])) for i in range(shape[0])] if stacked else [(None, None)]
+    dim = int(stacked)  # where the expert dimension sits
+    out = []
+    for layer, layer_offset in layers:
+        base = f"{prefix}{layer}.{rest}" if stacked else key
+        lead = (layer_offset,) if stacked else ()
+        if _EXPERTS not in base:
+            out.append(
+                TensorSpec(base, key, layer, shape[0] if stacked else None, shape[dim:], dtype, None, lead)
+            )
+            continue
+        for e in range(shape[dim]):
+            name = base.replace(_EXPERTS, _LOCAL_EXPERT.format(e))
+            offsets = (*lead, (dim, e, shape[dim]))
+            out.append(TensorSpec(name, key, layer, None, shape[dim + 1 :], dtype, e, offsets))
+    return out
 
 
 def checkpoint_tensor_specs(ckpt_dir: str | Path) -> list[TensorSpec]:
-    """The model tensors in a checkpoint: embedding, then layer by layer, then the rest."""
+    """The model tensors in a checkpoint: embedding, then layer by layer, then the rest.
+
+    Layer-stacked tensors are split per layer, a layer's experts per expert.
+    """
     from megatron.core import dist_checkpointing
 
     with warnings.catch_warnings():
@@ -313,23 +363,22 @@ def checkpoint_tensor_specs(ckpt_dir: str | Path) -> list[TensorSpec]:
     for key, sh in metadata.items():
         if key.startswith("optimizer."):
             continue
-        at = key.find(_LAYERS)
-        if at >= 0:
-            prefix, rest = key[: at + len(_LAYERS)], key[at + len(_LAYERS) :]
-            n = sh.global_shape[0]
-            for i in range(n):
-                layers.append(
-                    TensorSpec(f"{prefix}{i}.{rest}", key, i, n, tuple(sh.global_shape[1:]), sh.dtype)
-                )
-        else:
-            first = key.startswith(("embedding.", "language_model.embedding.", "vision_model."))
-            (head if first else tail).append(
-                TensorSpec(key, key, None, None, tuple(sh.global_shape), sh.dtype)
-            )
+        for spec in _split_leading(key, sh):
+            if _LAYERS in spec.name:
+                layers.append(spec)
+            elif key.startswith(("embedding.", "language_model.embedding.", "vision_model.")):
+                head.append(spec)
+            else:
+                tail.append(spec)
     # Vision blocks before the language model's layers, each in layer order (stable: keeps the
     # key order within a layer).
-    layers.sort(key=lambda t: (not t.key.startswith("vision_model."), t.layer))
+    layers.sort(key=lambda t: (not t.key.startswith("vision_model."), _layer_of(t.name)))
     return head + layers + tail
+
+
+def _layer_of(name: str) -> int:
+    at = name.find(_LAYERS)
+    return int(name[at + len(_LAYERS) :].split(".", 1)[0])
 
 
 def iter_checkpoint_tensors(
@@ -345,21 +394,14 @@ def iter_checkpoint_tensors(
 
     ckpt_dir = str(ckpt_dir)
     for spec in specs if specs is not None else checkpoint_tensor_specs(ckpt_dir):
-        if spec.layer is None:
-            target = ShardedTensor.from_rank_offsets(
-                spec.key, torch.empty(spec.shape, dtype=spec.dtype), replica_id=0
-            )
-        else:
-            # One layer of megatron's [num_layers, ...] stacked tensor.
-            target = ShardedTensor.from_rank_offsets(
-                spec.key,
-                torch.empty((1, *spec.shape), dtype=spec.dtype),
-                (0, spec.layer, spec.num_layers),
-                replica_id=0,
-            )
+        # One entry of each leading (layer, expert) dimension: a [1, 1, ...] slice of the stored tensor.
+        lead = len(spec.offsets)
+        target = ShardedTensor.from_rank_offsets(
+            spec.key, torch.empty((1,) * lead + spec.shape, dtype=spec.dtype), *spec.offsets, replica_id=0
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # validate_access_integrity checks that all ranks together read
             # every shard exactly once; reading one slice alone is the point here.
             out = dist_checkpointing.load({"t": target}, ckpt_dir, validate_access_integrity=False)["t"]
-        yield spec, (out[0] if spec.layer is not None else out)
+        yield spec, out.reshape(spec.shape)

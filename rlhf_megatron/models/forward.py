@@ -23,6 +23,10 @@ M-RoPE (vision-language models) does use ``position_ids``: ``[B, 3, S]``
 batch-first as in ``Batch`` (``data.rope_index.get_rope_index``), transposed
 here to megatron's ``[3, B, S]``, so left padding is handled exactly.
 
+Mixture-of-experts chunks also get the padding mask (``padding_mask``, True =
+padding), so padding tokens count neither in the load-balancing loss nor in the
+expert load; and forward-only passes run them in eval mode (``moe.eval_mode``).
+
 Multimodal inputs: ``pixel_values`` ``[num_patches, C·T·P·P]`` and
 ``image_grid_thw`` ``[num_images, 3]``, concatenated over the batch's rows in
 row order; ``forward_logits_or_values`` hands each micro-batch its rows' images
@@ -31,6 +35,7 @@ row order; ``forward_logits_or_values`` hands each micro-batch its rows' images
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -93,6 +98,7 @@ def model_forward(
     (this TP rank's vocabulary shard) or values ``[B, S, 1]``; elsewhere the
     hidden states sent to the next stage.
     """
+    from rlhf_megatron.models.moe import has_experts
     from rlhf_megatron.models.vision_language import vision_language_model
 
     mask = build_attention_mask(attention_mask, sliding_window)
@@ -104,10 +110,29 @@ def model_forward(
             )
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
+        if has_experts(chunk):
+            return chunk(input_ids, position_ids, mask, padding_mask=_moe_padding_mask(chunk, attention_mask))
         return chunk(input_ids, position_ids, mask)
     position_ids = _mrope_positions(vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
     pos = position_ids.transpose(0, 1).contiguous()  # (3, B, S), megatron's layout
     return chunk(input_ids, pos, mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+
+def _moe_padding_mask(chunk: torch.nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool, True = padding: megatron's MoE routers leave these tokens out of the
+    load-balancing loss. With sequence parallelism megatron splits it along the sequence on
+    the first pipeline stage only; later stages get their split here."""
+    padding = ~attention_mask.bool()
+    inner = chunk
+    while hasattr(inner, "module"):
+        inner = inner.module
+    if inner.config.sequence_parallel and not inner.pre_process:
+        from megatron.core import tensor_parallel
+
+        padding = (
+            tensor_parallel.scatter_to_sequence_parallel_region(padding.t().contiguous()).t().contiguous()
+        )
+    return padding
 
 
 def _mrope_positions(
@@ -201,7 +226,10 @@ def forward_logits_or_values(
         # The schedule hands what the loss function returns to the caller on the last stage.
         return out, lambda output: (output.new_zeros(()), {"output": output.detach()})
 
-    with torch.no_grad():
+    from rlhf_megatron.models.moe import eval_mode, has_experts
+
+    mode = eval_mode(chunks) if has_experts(chunks[0]) else contextlib.nullcontext()
+    with torch.no_grad(), mode:
         collected = get_forward_backward_func()(
             forward_step_func=step,
             data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),

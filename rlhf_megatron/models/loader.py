@@ -5,7 +5,9 @@ name to its global one (pipeline/virtual-pipeline layer offset), asks the spec
 for this TP rank's slice (``spec.hf_to_mcore``) and copies it in. Reads go
 through ``safe_open(...).get_slice`` one tensor slice at a time, so a rank's
 memory during loading is its own shard plus one slice in flight, never the
-whole model.
+whole model. A mixture-of-experts rank reads only its own experts (its
+expert-parallel rank's share, global expert numbers from ``stages``), sliced for
+its expert tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
-from rlhf_megatron.models.spec import hf_names, hf_source, hf_to_mcore, local_to_global_layer
+from rlhf_megatron.models.spec import (
+    hf_names,
+    hf_source,
+    hf_to_mcore,
+    is_expert_param,
+    local_to_global_expert,
+    local_to_global_layer,
+)
 
 __all__ = ["LoadReport", "is_scalar_head_param", "load_hf_weights", "unwrap_model"]
 
@@ -57,6 +66,20 @@ def _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size):
     )
 
 
+def _expert_ranks(arch: ModelArch, tp_rank: int, tp_size: int) -> tuple[int, int, int, int]:
+    """(ep_rank, ep_size, etp_rank, etp_size) from megatron's state; dense models: (0, 1, TP rank, TP size)."""
+    if arch.moe is None:
+        return 0, 1, tp_rank, tp_size
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_rank(),
+        ps.get_expert_tensor_parallel_world_size(),
+    )
+
+
 @torch.no_grad()
 def load_hf_weights(
     model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
@@ -80,6 +103,7 @@ def load_hf_weights(
     """
     chunks = list(model_chunks) if isinstance(model_chunks, Sequence) else [model_chunks]
     tp_rank, tp_size, pp_rank, pp_size, vpp_size = _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size)
+    ep_rank, ep_size, etp_rank, etp_size = _expert_ranks(arch, tp_rank, tp_size)
     if vpp_size is not None and len(chunks) != vpp_size:
         raise ValueError(f"load_hf_weights: got {len(chunks)} model chunks for VPP size {vpp_size}")
     checkpoint = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint(hf_dir)
@@ -90,6 +114,8 @@ def load_hf_weights(
             global_name = local_to_global_layer(
                 local_name, arch.num_layers, pp_rank, pp_size, vp_stage if vpp_size else None, vpp_size
             )
+            if arch.moe is not None:
+                global_name = local_to_global_expert(global_name, arch.moe.num_experts, ep_rank, ep_size)
             work.append((global_name, param))
     if progress:
         from tqdm import tqdm
@@ -107,10 +133,12 @@ def load_hf_weights(
                 f"megatron parameter {global_name} needs HF tensor(s) {missing}, which {checkpoint.dir} does not "
                 f"contain; is the checkpoint a complete {arch.architecture}?"
             )
-        shard = hf_to_mcore(global_name, arch, source, tp_rank, tp_size)
+        # A routed expert is split over the expert tensor-parallel group, everything else over TP.
+        rank, size = (etp_rank, etp_size) if is_expert_param(global_name, arch) else (tp_rank, tp_size)
+        shard = hf_to_mcore(global_name, arch, source, rank, size)
         if tuple(shard.shape) != tuple(param.shape):
             raise HFCheckpointError(
-                f"megatron parameter {global_name} on TP rank {tp_rank}/{tp_size} has shape "
+                f"megatron parameter {global_name} on (expert) TP rank {rank}/{size} has shape "
                 f"{list(param.shape)}, but {', '.join(sources)} give(s) {list(shard.shape)}"
             )
         param.copy_(shard)

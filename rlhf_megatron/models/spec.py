@@ -56,8 +56,10 @@ from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec_rules import SPECS, ArchSpec, Layout, ParamRule
 from rlhf_megatron.models.stages import (
     StageError,
+    expert_owner,
     global_to_local_layer,
     layer_offset,
+    local_to_global_expert,
     local_to_global_layer,
     param_owner,
 )
@@ -72,13 +74,16 @@ __all__ = [
     "StageError",
     "TensorSource",
     "expected_hf_shapes",
+    "expert_owner",
     "gather_tp_shards",
     "get_arch_spec",
     "global_to_local_layer",
     "hf_names",
     "hf_source",
     "hf_to_mcore",
+    "is_expert_param",
     "layer_offset",
+    "local_to_global_expert",
     "local_to_global_layer",
     "mcore_full_shape",
     "mcore_param_names",
@@ -203,7 +208,7 @@ def get_arch_spec(arch: ModelArch) -> ArchSpec:
 
 # -- rule lookup ---------------------------------------------------------------
 
-_INDEXES = ("layer", "block")
+_INDEXES = ("layer", "block", "expert")
 
 
 @functools.cache
@@ -215,12 +220,17 @@ def _template_regex(template: str) -> re.Pattern[str]:
 
 
 def _index_of(template: str) -> str | None:
-    """Which index a template repeats over (``layer``, ``block``), if any."""
+    """Which index a template repeats over first (``layer``, ``block``), if any."""
     return next((i for i in _INDEXES if "{" + i + "}" in template), None)
 
 
 def _count(index: str, arch: ModelArch) -> int:
+    if index == "expert":
+        return arch.moe.num_experts if arch.moe is not None else 0
     return arch.num_layers if index == "layer" else arch.vision.depth
+
+
+_WHAT = {"layer": "layers", "block": "vision blocks", "expert": "experts"}
 
 
 @dataclass(frozen=True)
@@ -240,19 +250,18 @@ def _resolve(name: str, arch: ModelArch) -> _Resolved:
             m = _template_regex(template).match(name)
             if not m:
                 continue
-            if not rule.when(arch):
+            index = {k: int(v) for k, v in m.groupdict().items()}
+            if not rule.when(arch) or (rule.on_layer is not None and not rule.on_layer(arch, index["layer"])):
                 matched_rule_absent = True
                 continue
-            index = {k: int(v) for k, v in m.groupdict().items()}
             for k, i in index.items():
                 n = _count(k, arch)
                 if not 0 <= i < n:
-                    what = "layers" if k == "layer" else "vision blocks"
-                    raise SpecError(f"{name}: {k} {i} is outside the model's {n} {what}")
+                    raise SpecError(f"{name}: {k} {i} is outside the model's {n} {_WHAT[k]}")
             return _Resolved(rule, index)
     why = (
         "that parameter does not exist for this configuration (check qkv_bias / qk_norm / head / tied "
-        "embeddings / the vision norm and MLP kind)"
+        "embeddings / the vision norm and MLP kind / which layers are dense and which have experts)"
         if matched_rule_absent
         else "it is not a known parameter name (names use global layer numbers, see local_to_global_layer)"
     )
@@ -260,8 +269,17 @@ def _resolve(name: str, arch: ModelArch) -> _Resolved:
 
 
 def tp_partition_dim(name: str, arch: ModelArch) -> int | None:
-    """The dim TP splits ``name`` along, or None when every TP rank holds all of it."""
+    """The dim TP splits ``name`` along, or None when every TP rank holds all of it.
+
+    For a routed expert's weight (``is_expert_param``) the split is over the expert
+    tensor-parallel group: pass the ETP rank and size wherever a TP rank and size go.
+    """
     return _resolve(name, arch).rule.tp_dim
+
+
+def is_expert_param(name: str, arch: ModelArch) -> bool:
+    """A routed expert's weight: split by expert tensor parallelism, held by one expert-parallel rank."""
+    return _resolve(name, arch).rule.expert
 
 
 def mcore_full_shape(name: str, arch: ModelArch, tp_size: int = 1) -> tuple[int, ...]:
@@ -279,17 +297,31 @@ def mcore_param_names(arch: ModelArch, fused_norms: bool = False) -> list[str]:
 
     A run of consecutive rules that repeat over layers (or vision blocks) is
     expanded block by block, so the order is: vision tower, embedding, layer 0,
-    layer 1, …, final norm, output layer. ``fused_norms`` picks the
-    transformer-engine spelling of the per-layer norms (``linear_qkv.layer_norm_weight``)
-    over the local spec's.
+    layer 1, …, final norm, output layer. Inside a sparse layer the experts come
+    one after another (expert 0's fc1 and fc2, then expert 1's, …). ``fused_norms``
+    picks the transformer-engine spelling of the per-layer norms
+    (``linear_qkv.layer_norm_weight``) and of grouped experts
+    (``mlp.experts.linear_fc1.weight{expert}``) over the local spec's.
     """
     names: list[str] = []
-    run: list[str] = []
+    run: list[tuple[str, ParamRule]] = []
     run_index: str | None = None
+
+    def expand(i: int) -> list[str]:
+        out, experts = [], []
+        for template, rule in [*run, ("", None)]:  # a sentinel flushes a trailing group of experts
+            if rule is not None and "{expert}" in template and rule.on_layer(arch, i):
+                experts.append(template)
+                continue
+            out += [t.format(layer=i, expert=e) for e in range(_count("expert", arch)) for t in experts]
+            experts = []
+            if rule is not None and (rule.on_layer is None or rule.on_layer(arch, i)):
+                out.append(template.format(**{run_index: i}))
+        return out
 
     def flush():
         if run:
-            names.extend(t.format(**{run_index: i}) for i in range(_count(run_index, arch)) for t in run)
+            names.extend(n for i in range(_count(run_index, arch)) for n in expand(i))
             run.clear()
 
     for rule in get_arch_spec(arch).rules:
@@ -303,7 +335,7 @@ def mcore_param_names(arch: ModelArch, fused_norms: bool = False) -> list[str]:
         if index is None:
             names.append(template)
         else:
-            run.append(template)
+            run.append((template, rule))
     flush()
     return names
 

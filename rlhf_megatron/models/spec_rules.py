@@ -7,6 +7,15 @@ adding a table here.
 
 - Text decoders (Llama, Mistral, Qwen2, Qwen3) share ``decoder_rules()``: HF's
   Llama naming, switches on ``ModelArch`` for biases, q/k norms and heads.
+- Mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral) are the same
+  decoder whose sparse layers (``ModelArch.is_moe_layer``) carry a router and
+  ``num_experts`` experts instead of the dense MLP (``_moe_layer_rules``), plus
+  Qwen2-MoE's gated shared expert. Megatron's local spec keeps each expert as
+  ``mlp.experts.local_experts.{expert}.linear_fc1/2`` (SequentialMLP), the
+  transformer-engine spec as ``mlp.experts.linear_fc1.weight{expert}``
+  (TEGroupedMLP); ``{expert}`` is the *global* expert index, ``stages.py`` maps
+  a rank's local experts onto it. Experts are split by expert tensor parallelism
+  (``ParamRule.expert``), not by the attention's TP.
 - Qwen2-VL / Qwen2.5-VL (``vision_language_rules()``) are the same decoder under
   the wrapper's ``language_model.`` prefix (HF names unchanged: the hub layout
   ``model.layers.*``), plus the vision tower under ``vision_model.`` (HF
@@ -16,7 +25,7 @@ adding a table here.
   ``ArchSpec.hf_aliases``.
 
 Name templates: ``{layer}`` is a global language-model layer, ``{block}`` a
-vision block.
+vision block, ``{expert}`` a global expert of a sparse layer.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 
 from rlhf_megatron.config.model_arch import ModelArch
 
-__all__ = ["ArchSpec", "Layout", "ParamRule", "SPECS"]
+__all__ = ["ArchSpec", "Layout", "MoENames", "ParamRule", "SPECS"]
 
 
 class Layout(enum.Enum):
@@ -78,6 +87,10 @@ class ParamRule:
     megatron's size are zero on import and trimmed on export (vocabulary, vision MLP)."""
     qkv: Callable[[ModelArch], QkvDims] = _lm_qkv
     """Head layout of a QKV rule."""
+    on_layer: Callable[[ModelArch, int], bool] | None = None
+    """For ``{layer}`` rules: whether a given layer has the parameter (dense MLP vs experts)."""
+    expert: bool = False
+    """A routed expert's weight: ``tp_dim`` splits it over the expert tensor-parallel group (ETP)."""
 
 
 @dataclass(frozen=True)
@@ -101,9 +114,68 @@ def _vocab(a: ModelArch) -> int:
     return a.vocab_size
 
 
-def decoder_rules(prefix: str = "") -> tuple[ParamRule, ...]:
+def _dense_layer(a: ModelArch, layer: int) -> bool:
+    return not a.is_moe_layer(layer)
+
+
+def _moe_layer(a: ModelArch, layer: int) -> bool:
+    return a.is_moe_layer(layer)
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """Where a family's HF checkpoint keeps a sparse layer's tensors (under ``model.layers.{layer}.``)."""
+
+    block: str
+    """The sparse MLP module: ``mlp`` (Qwen) or ``block_sparse_moe`` (Mixtral)."""
+    gate: str
+    up: str
+    down: str
+    """An expert's projections: ``gate_proj``/``up_proj``/``down_proj`` (Qwen) or ``w1``/``w3``/``w2`` (Mixtral)."""
+
+
+QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_MOE = MoENames("block_sparse_moe", "w1", "w3", "w2")
+
+
+def _moe_layer_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
+    """A sparse layer's router, routed experts and (Qwen2-MoE) gated shared expert."""
+    X = H + f"{names.block}.experts.{{expert}}."
+
+    def rule(mcore, hf, layout, tp_dim, shape, **kw) -> ParamRule:
+        return ParamRule(mcore, hf, layout, tp_dim, shape, on_layer=_moe_layer, **kw)
+
+    def shared(a: ModelArch) -> bool:
+        return a.moe.shared_expert_ffn_hidden_size is not None
+
+    return (
+        # The norm before the experts is a module of its own with either spec; the local spec's
+        # checkpoint spells it like the dense layer's fused norm. Names: local module, local
+        # checkpoint key, transformer-engine module (last, as ``fused_norms`` expects).
+        rule((L + "pre_mlp_layernorm.weight", L + "mlp.linear_fc1.layer_norm_weight", L + "pre_mlp_layernorm.weight"),
+             (H + "post_attention_layernorm.weight",), Layout.COPY, None, lambda a, tp: (a.hidden_size,)),
+        rule((L + "mlp.router.weight",), (H + f"{names.block}.gate.weight",), Layout.COPY, None,
+             lambda a, tp: (a.moe.num_experts, a.hidden_size)),
+        rule((L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", L + "mlp.experts.linear_fc1.weight{expert}"),
+             (X + f"{names.gate}.weight", X + f"{names.up}.weight"), Layout.GATE_UP, 0,
+             lambda a, tp: (2 * a.moe.ffn_hidden_size, a.hidden_size), expert=True),
+        rule((L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", L + "mlp.experts.linear_fc2.weight{expert}"),
+             (X + f"{names.down}.weight",), Layout.COPY, 1,
+             lambda a, tp: (a.hidden_size, a.moe.ffn_hidden_size), expert=True),
+        rule((L + "mlp.shared_experts.linear_fc1.weight",),
+             (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"), Layout.GATE_UP, 0,
+             lambda a, tp: (2 * a.moe.shared_expert_ffn_hidden_size, a.hidden_size), when=shared),
+        rule((L + "mlp.shared_experts.linear_fc2.weight",), (H + "mlp.shared_expert.down_proj.weight",), Layout.COPY,
+             1, lambda a, tp: (a.hidden_size, a.moe.shared_expert_ffn_hidden_size), when=shared),
+        rule((L + "mlp.shared_experts.gate_weight",), (H + "mlp.shared_expert_gate.weight",), Layout.COPY, None,
+             lambda a, tp: (1, a.hidden_size), when=shared),
+    )  # fmt: skip
+
+
+def decoder_rules(prefix: str = "", moe: MoENames | None = None) -> tuple[ParamRule, ...]:
     """A Llama-style decoder; megatron names under ``prefix`` (the vision-language wrapper's
-    ``language_model.``), HF names as the hub stores them."""
+    ``language_model.``), HF names as the hub stores them. ``moe``: the sparse layers' HF names
+    of a mixture-of-experts family (its dense layers keep the plain MLP)."""
     e, L, H = prefix, prefix + "decoder.layers.{layer}.", "model.layers.{layer}."
     return (
         ParamRule(
@@ -165,6 +237,7 @@ def decoder_rules(prefix: str = "") -> tuple[ParamRule, ...]:
             Layout.COPY,
             None,
             lambda a, tp: (a.hidden_size,),
+            on_layer=_dense_layer,
         ),
         ParamRule(
             (L + "mlp.linear_fc1.weight",),
@@ -172,6 +245,7 @@ def decoder_rules(prefix: str = "") -> tuple[ParamRule, ...]:
             Layout.GATE_UP,
             0,
             lambda a, tp: (2 * a.ffn_hidden_size, a.hidden_size),
+            on_layer=_dense_layer,
         ),
         ParamRule(
             (L + "mlp.linear_fc2.weight",),
@@ -179,7 +253,9 @@ def decoder_rules(prefix: str = "") -> tuple[ParamRule, ...]:
             Layout.COPY,
             1,
             lambda a, tp: (a.hidden_size, a.ffn_hidden_size),
+            on_layer=_dense_layer,
         ),
+        *(_moe_layer_rules(L, H, moe) if moe is not None else ()),
         ParamRule(
             (e + "decoder.final_layernorm.weight",),
             ("model.norm.weight",),
@@ -422,6 +498,7 @@ def vision_rules() -> tuple[ParamRule, ...]:
 
 
 _TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_MOE_TYPES = {"qwen2_moe": QWEN_MOE, "qwen3_moe": QWEN_MOE, "mixtral": MIXTRAL_MOE}
 _VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _VL_SPEC = ArchSpec(
     _VL_TYPES,
@@ -431,5 +508,6 @@ _VL_SPEC = ArchSpec(
 )
 SPECS: dict[str, ArchSpec] = {
     **{t: ArchSpec((t,), decoder_rules()) for t in _TEXT_TYPES},
+    **{t: ArchSpec((t,), decoder_rules(moe=names)) for t, names in _MOE_TYPES.items()},
     **dict.fromkeys(_VL_TYPES, _VL_SPEC),
 }

@@ -13,7 +13,13 @@ model, ``language_model.decoder.layers.N.`` of a vision-language one. The
 vision tower (``vision_model.``, whose own blocks are also called
 ``decoder.layers``) lives whole on the first chunk of pipeline rank 0, with
 the embedding; the final norm and output layer live on the last chunk of the
-last rank. Pure functions, no megatron.
+last rank.
+
+Experts follow the same idea one level down: expert parallelism (EP) gives each
+EP rank ``num_experts / ep`` consecutive experts, numbered from 0 in its chunk
+(``mlp.experts.local_experts.{i}``, or ``mlp.experts.linear_fc1.weight{i}`` with
+transformer-engine's grouped experts); ``local_to_global_expert`` and
+``expert_owner`` translate. Pure functions, no megatron.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import re
 __all__ = [
     "FIRST_STAGE_PREFIXES",
     "StageError",
+    "expert_owner",
+    "local_to_global_expert",
     "global_to_local_layer",
     "layer_offset",
     "local_to_global_layer",
@@ -114,3 +122,42 @@ def param_owner(
     if name.startswith(FIRST_STAGE_PREFIXES):
         return 0, (0 if vpp_size else None), name
     return pp_size - 1, ((vpp_size - 1) if vpp_size else None), name
+
+
+# A routed expert's index: SequentialMLP's ``local_experts.{i}.`` or TEGroupedMLP's ``weight{i}`` suffix.
+_EXPERT_RE = re.compile(
+    r"(?P<head>\.mlp\.experts\.(?:local_experts\.|linear_fc[12]\.weight))(?P<expert>\d+)(?P<tail>\.|$)"
+)
+
+
+def _experts_per_rank(num_experts: int, ep_size: int) -> int:
+    if ep_size < 1 or num_experts % ep_size:
+        raise StageError(
+            f"{num_experts} experts do not split evenly over expert_model_parallel_size={ep_size}; "
+            "pick an EP size that divides the number of experts"
+        )
+    return num_experts // ep_size
+
+
+def local_to_global_expert(name: str, num_experts: int, ep_rank: int, ep_size: int) -> str:
+    """Rewrite an EP rank's local expert index in ``name`` to the global one (other names pass through)."""
+    m = _EXPERT_RE.search(name)
+    if not m:
+        return name
+    per_rank = _experts_per_rank(num_experts, ep_size)
+    local = int(m.group("expert"))
+    if local >= per_rank:
+        raise StageError(f"{name}: local expert {local} is beyond this EP rank's {per_rank} experts")
+    return (
+        f"{name[: m.start()]}{m.group('head')}{ep_rank * per_rank + local}{m.group('tail')}{name[m.end() :]}"
+    )
+
+
+def expert_owner(name: str, num_experts: int, ep_size: int) -> tuple[int | None, str]:
+    """``(ep_rank, name with the local expert index)`` of a global expert parameter; ``(None, name)``
+    for parameters every EP rank holds."""
+    m = _EXPERT_RE.search(name)
+    if not m:
+        return None, name
+    ep_rank, local = divmod(int(m.group("expert")), _experts_per_rank(num_experts, ep_size))
+    return ep_rank, f"{name[: m.start()]}{m.group('head')}{local}{m.group('tail')}{name[m.end() :]}"

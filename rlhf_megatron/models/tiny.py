@@ -7,6 +7,9 @@ head_dim defaults to 64 because vLLM's CPU attention rejects 16. Keep
 ``hidden_size == num_heads * head_dim`` for Qwen2: vLLM's Qwen2 ignores
 ``head_dim`` and derives it from the hidden size.
 
+``make_tiny_moe_model`` writes a tiny mixture-of-experts Qwen3-MoE, Qwen2-MoE
+(shared expert, q/k/v biases) or Mixtral with the same tokenizer.
+
 ``make_tiny_qwen2_5_vl`` writes a tiny Qwen2.5-VL (or Qwen2-VL) with the tiny
 VL processor (``data.tokenizer.build_tiny_vl_processor``), so
 ``AutoProcessor.from_pretrained`` and vLLM load the directory as they would a
@@ -108,6 +111,107 @@ def make_tiny_hf_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def build_tiny_moe_model(
+    family: str = "qwen3_moe",
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 64,
+    num_experts: int = 4,
+    top_k: int = 2,
+    expert_ffn_hidden_size: int = 64,
+    ffn_hidden_size: int = 256,
+    shared_expert_ffn_hidden_size: int = 96,
+    mlp_only_layers: tuple[int, ...] = (),
+    norm_topk_prob: bool | None = None,
+    router_aux_loss_coef: float = 0.01,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+):
+    """A random mixture-of-experts model (float32, seeded) and the tiny tokenizer: ``(model, tokenizer)``.
+
+    ``family``: ``qwen3_moe`` (q/k norms; ``norm_topk_prob`` defaults to True, as Qwen3-30B-A3B
+    ships), ``qwen2_moe`` (q/k/v biases and a gated shared expert of
+    ``shared_expert_ffn_hidden_size``; ``norm_topk_prob`` defaults to False, as Qwen1.5-MoE ships) or
+    ``mixtral`` (experts of ``expert_ffn_hidden_size``; always renormalises). ``mlp_only_layers``
+    keeps those layers dense (``ffn_hidden_size``; Qwen families). Router weights are drawn wider
+    than the rest so the top-k choice is not decided by rounding.
+    """
+    import transformers
+
+    from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
+
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"tiny MoE model: family {family!r} is not one of {MOE_FAMILIES}")
+    if mlp_only_layers and family == "mixtral":
+        raise ValueError("tiny MoE model: Mixtral has no dense layers (mlp_only_layers must be empty)")
+    tokenizer = build_tiny_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_experts_per_tok=top_k,
+        router_aux_loss_coef=router_aux_loss_coef,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6,
+    )
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            intermediate_size=expert_ffn_hidden_size, num_local_experts=num_experts, **common
+        )
+    else:
+        qwen = dict(
+            num_experts=num_experts,
+            moe_intermediate_size=expert_ffn_hidden_size,
+            intermediate_size=ffn_hidden_size,
+            mlp_only_layers=list(mlp_only_layers),
+            norm_topk_prob=(family == "qwen3_moe") if norm_topk_prob is None else norm_topk_prob,
+        )
+        if family == "qwen2_moe":
+            config = transformers.Qwen2MoeConfig(
+                shared_expert_intermediate_size=shared_expert_ffn_hidden_size, **qwen, **common
+            )
+        else:
+            config = transformers.Qwen3MoeConfig(**qwen, **common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                std = 0.5 if name.endswith("gate.weight") and "shared" not in name else 0.05
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return model, tokenizer
+
+
+def make_tiny_moe_model(out_dir: str | Path, family: str = "qwen3_moe", **sizes) -> Path:
+    """Write a random tiny mixture-of-experts model plus the tiny tokenizer to ``out_dir``.
+
+    ``sizes`` are ``build_tiny_moe_model``'s (e.g. ``num_experts=8``, ``mlp_only_layers=(1,)``).
+    The checkpoint keeps one tensor per expert, as the hub's do.
+    """
+    model, tokenizer = build_tiny_moe_model(family=family, **sizes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

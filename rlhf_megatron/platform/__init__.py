@@ -9,7 +9,8 @@ explicitly (see ``ParallelInfo``).
   (``cpu_compat``), which lets real megatron-core run on CPU.
 - ``init_distributed()``: ``torch.distributed`` from env vars (torchrun/Ray set
   ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
-- ``init_model_parallel()``: megatron's TP/PP/VPP/CP/DP groups plus its RNG
+- ``init_model_parallel()``: megatron's TP/PP/VPP/CP/DP groups, and the expert
+  groups of mixture-of-experts models (EP, expert TP, expert DP), plus its RNG
   tracker, returning a ``ParallelInfo`` snapshot of this rank's coordinates.
 - ``set_seed()``: python, numpy and torch seeding, deterministic algorithms.
 """
@@ -142,6 +143,12 @@ class ParallelInfo:
     cp_rank: int
     cp_size: int
     vpp_size: int | None
+    ep_rank: int = 0
+    """Expert-parallel rank: which ``num_experts / ep_size`` experts this rank holds."""
+    ep_size: int = 1
+    etp_rank: int = 0
+    """Rank in the expert tensor-parallel group, which splits each expert's matrices."""
+    etp_size: int = 1
 
     @property
     def is_output_rank(self) -> bool:
@@ -165,6 +172,10 @@ class ParallelInfo:
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=ps.get_context_parallel_world_size(),
             vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
         )
 
 
@@ -179,6 +190,13 @@ class ParallelGroups:
     """Global ranks of this rank's pipeline group, by stage."""
     tp_ranks: tuple[int, ...]
     """Global ranks of this rank's tensor-parallel group, by TP rank."""
+    ep_group: object = None
+    """The expert-parallel group: ranks that hold different experts of the same layers."""
+    ep_ranks: tuple[int, ...] = ()
+    """Global ranks of the expert-parallel group, by EP rank."""
+    etp_group: object = None
+    """The expert tensor-parallel group: ranks that hold slices of the same experts."""
+    etp_ranks: tuple[int, ...] = ()
 
     @classmethod
     def current(cls) -> ParallelGroups:
@@ -186,12 +204,19 @@ class ParallelGroups:
 
         pp_group = ps.get_pipeline_model_parallel_group()
         tp_group = ps.get_tensor_model_parallel_group()
+        ep_group = ps.get_expert_model_parallel_group()
+        etp_group = ps.get_expert_tensor_parallel_group()
+        ranks = torch.distributed.get_process_group_ranks
         return cls(
             tp_group=tp_group,
             pp_group=pp_group,
             dp_group=ps.get_data_parallel_group(),
-            pp_ranks=tuple(torch.distributed.get_process_group_ranks(pp_group)),
-            tp_ranks=tuple(torch.distributed.get_process_group_ranks(tp_group)),
+            pp_ranks=tuple(ranks(pp_group)),
+            tp_ranks=tuple(ranks(tp_group)),
+            ep_group=ep_group,
+            ep_ranks=tuple(ranks(ep_group)),
+            etp_group=etp_group,
+            etp_ranks=tuple(ranks(etp_group)),
         )
 
 
@@ -201,11 +226,18 @@ def init_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     seed: int = 1234,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
 ) -> ParallelInfo:
     """Create megatron's parallel groups and seed its RNG tracker.
 
     Requires ``init_distributed()`` first. Re-initialises when called again with
     different sizes (tests build several layouts in one process group).
+
+    Mixture-of-experts models lay their experts out on a second grid over the same
+    ranks: expert TP (``expert_tensor_parallel_size``, None = the TP size) x EP x expert
+    DP x PP, so ``ETP x EP x PP`` must divide the world size; the pipeline groups are
+    shared with the dense layers. Dense models ignore the expert groups.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -219,6 +251,15 @@ def init_model_parallel(
             f"x context_parallel_size ({context_parallel_size}) = {model_parallel}; change the sizes so "
             "that their product divides the number of processes"
         )
+    etp = expert_tensor_parallel_size or tensor_model_parallel_size
+    expert_grid = etp * expert_model_parallel_size * pipeline_model_parallel_size
+    if world % expert_grid:
+        raise ValueError(
+            f"world size {world} is not divisible by expert_tensor_parallel_size ({etp}) x "
+            f"expert_model_parallel_size ({expert_model_parallel_size}) x pipeline_model_parallel_size "
+            f"({pipeline_model_parallel_size}) = {expert_grid}; change the expert sizes so that their "
+            "product divides the number of processes"
+        )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -226,6 +267,8 @@ def init_model_parallel(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=etp,
     )
     set_seed(seed)
     # Seeds megatron's "model-parallel" RNG stream: different per TP rank, same per DP rank.

@@ -184,7 +184,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
             val_loader=val_loader,
             tokenizer=tokenizer,
             tracker=tracker,
-            n_params=count_parameters(arch).total,
+            n_params=count_parameters(arch).active,  # per-token compute (MoE: the routed experts only)
             checkpoints=CheckpointManager(run_dir, run.trainer.max_actor_ckpt_to_keep),
         )
         try:

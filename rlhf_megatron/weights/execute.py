@@ -10,10 +10,12 @@ Per bucket, every rank walks the same transfers in the same order (the plan
 is identical everywhere), which is what keeps the collectives matched:
 
 1. The owning pipeline stage reads its shard; ``gather`` transfers all-gather
-   it inside that stage's TP group and reassemble it with the spec's layout
-   rules (``gather_tp_shards``; a row-split parameter needs no reassembly,
-   the gathered buffer is the full tensor); ``local`` transfers use the
-   shard as is.
+   it inside that stage's TP group (a routed expert: its ETP group, on the EP
+   rank that holds it) and reassemble it with the spec's layout rules
+   (``gather_tp_shards``; a row-split parameter needs no reassembly, the
+   gathered buffer is the full tensor); ``local`` transfers use the shard as is.
+   Routed experts are then broadcast inside the expert-parallel group, one
+   collective per (bucket, owning EP rank), so every rank of the stage has them.
 2. The stage's Megatron tensors for the bucket are packed into one flat
    buffer and broadcast over the pipeline group: one collective per (bucket,
    owning stage), and every stage's engine gets every layer.
@@ -22,13 +24,18 @@ is identical everywhere), which is what keeps the collectives matched:
 
 ``stats`` records seconds per phase (gather, broadcast, convert) and the peak
 number of bucket bytes held, for the benchmark.
+
+``copy_sharded_weights`` is the receiving end of the ``sharded`` format: it copies
+each tensor into the rollout model's parameter of that name, or into one expert's
+row of a fused expert parameter (``name[e]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -60,10 +67,12 @@ class WeightSyncer:
         pp_rank: int,
         transport: Transport,
         rollout_rank: int | None = None,
+        ep_rank: int = 0,
     ):
         self.plan = plan
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
+        self.ep_rank = ep_rank
         self.transport = transport
         # With vLLM's external launcher, rollout TP groups are consecutive global ranks.
         self.rollout_rank = rollout_rank
@@ -75,8 +84,9 @@ class WeightSyncer:
         chunk = self.params[t.vpp_rank or 0]
         if t.local_name not in chunk:
             raise KeyError(
-                f"weight sync: pipeline rank {self.pp_rank} should own '{t.local_name}' ({t.name}) but its "
-                f"model chunk {t.vpp_rank or 0} has no such parameter; the plan and the model disagree on the layout"
+                f"weight sync: pipeline rank {self.pp_rank} (expert-parallel rank {self.ep_rank}) should own "
+                f"'{t.local_name}' ({t.name}) but its model chunk {t.vpp_rank or 0} has no such parameter; the "
+                "plan and the model disagree on the layout (is TrainLayout's ep_size the model's?)"
             )
         return chunk[t.local_name].detach()
 
@@ -88,6 +98,10 @@ class WeightSyncer:
         if self.plan.load_format == "hf":
             return mcore_to_hf(t.name, tensor, arch)
         rank, tp = self.rollout_rank, self.plan.rollout_tp
+        if t.ep_rank is not None:  # one expert's row of vLLM's fused parameter, for this vLLM rank
+            target = next(x for x in t.targets if x.rollout_rank == rank)
+            pieces = [_vllm_slice(n, x, arch, rank, tp) for n, x in mcore_to_hf(t.name, tensor, arch)]
+            return [(target.stream_name, torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])]
         if not is_full:  # aligned local shard: only QKV needs de-interleaving into [q_r; k_r; v_r]
             if "linear_qkv" in t.name:
                 local_arch = dataclasses.replace(
@@ -117,7 +131,10 @@ class WeightSyncer:
             for stage in sorted(by_stage):
                 transfers = by_stage[stage]
                 t0 = time.perf_counter()
-                sources = [self._source(t) for t in transfers] if stage == self.pp_rank else None
+                sources = None
+                if stage == self.pp_rank:
+                    sources = [self._source(t) for t in transfers]
+                    sources = self._broadcast_experts(transfers, sources)
                 t1 = time.perf_counter()
                 sources = self._broadcast(transfers, sources, stage)
                 t2 = time.perf_counter()
@@ -135,15 +152,39 @@ class WeightSyncer:
             del out
         self.stats = stats
 
-    def _source(self, t: ParamTransfer) -> torch.Tensor:
-        """The owning stage's Megatron tensor for ``t``: gathered over TP, or its own shard."""
+    def _source(self, t: ParamTransfer) -> torch.Tensor | None:
+        """The owning stage's Megatron tensor for ``t``: gathered over TP (an expert: over ETP), or its
+        own shard; None for an expert another EP rank holds (``_broadcast_experts`` fills it in)."""
+        if t.ep_rank is not None and t.ep_rank != self.ep_rank:
+            return None
         shard = self._shard(t)
         if t.mode != "gather":
             return shard
-        stacked = self.transport.all_gather_tp(shard)  # (tp, *shard.shape)
+        gather = self.transport.all_gather_etp if t.ep_rank is not None else self.transport.all_gather_tp
+        stacked = gather(shard)  # (tp or etp, *shard.shape)
         if _is_dim0_concat(t.name, self.plan.arch, stacked.shape[0]):
             return stacked.view(t.full_shape)  # already the full tensor: no reassembly copy
         return gather_tp_shards(t.name, list(stacked.unbind(0)), self.plan.arch)
+
+    def _broadcast_experts(self, transfers, sources: list) -> list[torch.Tensor]:
+        """Give every EP rank of this stage the bucket's experts: one broadcast per owning EP rank."""
+        owners = sorted({t.ep_rank for t in transfers if t.ep_rank is not None})
+        if not owners or self.plan.layout.ep_size == 1:
+            return sources
+        sources = list(sources)
+        for owner in owners:
+            idx = [i for i, t in enumerate(transfers) if t.ep_rank == owner]
+            shapes = [torch.Size(transfers[i].full_shape) for i in idx]
+            if owner == self.ep_rank:
+                flat = torch.cat([sources[i].reshape(-1) for i in idx])
+            else:
+                flat = torch.empty(sum(s.numel() for s in shapes), dtype=self.dtype)
+            flat = self.transport.broadcast_ep(flat, owner)
+            offset = 0
+            for i, shape in zip(idx, shapes):
+                sources[i] = flat[offset : offset + shape.numel()].view(shape)
+                offset += shape.numel()
+        return sources
 
     def _broadcast(self, transfers, sources, stage: int) -> list[torch.Tensor]:
         """Ship one stage's Megatron tensors of a bucket to every pipeline stage in one collective."""
@@ -180,14 +221,22 @@ def _is_dim0_concat(name: str, arch, tp_size: int) -> bool:
 
 def _vllm_slice(hf_name: str, full: torch.Tensor, arch, rank: int, tp: int) -> torch.Tensor:
     """vLLM TP rank ``rank``'s slice of one full HF tensor (before fusion)."""
-    if hf_name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
+    column = (
+        "q_proj.weight",
+        "q_proj.bias",
+        "gate_proj.weight",
+        "up_proj.weight",
+        ".w1.weight",
+        ".w3.weight",
+    )
+    if hf_name.endswith(column):
         return full.chunk(tp, dim=0)[rank]
     if hf_name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         per_rank = vllm_kv_heads_per_rank(arch, tp)
         replicas = max(1, tp // arch.num_kv_heads)
         head0 = (rank // replicas) * per_rank
         return full.narrow(0, head0 * arch.head_dim, per_rank * arch.head_dim)
-    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
+    if hf_name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
         return full.chunk(tp, dim=1)[rank]
     if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
         padded = -(-full.shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
@@ -199,3 +248,33 @@ def _vllm_slice(hf_name: str, full: torch.Tensor, arch, rank: int, tp: int) -> t
             out[:take] = full[start : start + take]
         return out
     return full
+
+
+_INDEXED = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
+
+
+@torch.no_grad()
+def copy_sharded_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy a ``sharded``-format stream into ``model``'s parameters (vLLM's kernel layout, this rank's
+    slice); ``name[e]`` fills row ``e`` of a fused expert parameter. Returns the parameter names
+    touched. Raises ``KeyError``/``ValueError`` naming the tensor when a name or shape does not fit."""
+    touched = set()
+    for name, tensor in weights:
+        m = _INDEXED.match(name)
+        param_name = m.group("name") if m else name
+        module_name, _, attr = param_name.rpartition(".")
+        try:
+            param = model.get_submodule(module_name).get_parameter(attr)
+        except AttributeError as e:
+            raise KeyError(
+                f"weight sync: the rollout model has no parameter {param_name!r} (from {name!r})"
+            ) from e
+        dest = param.data[int(m.group("index"))] if m else param.data
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"weight sync: {name} has shape {list(tensor.shape)}, the rollout model's {param_name} "
+                f"{'row' if m else 'parameter'} has {list(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        touched.add(param_name)
+    return touched

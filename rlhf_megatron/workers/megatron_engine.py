@@ -16,6 +16,13 @@ parallel logits ``[b, s, V/tp]`` or values ``[b, s]``) and returns
 of micro-batches; ``loss_fn`` receives ``micro["_weight"]`` (its share of the
 mini-batch's rows times the number of micro-batches) to keep uneven
 (dynamic-size) micro-batches weighted by rows.
+
+Mixture-of-experts models: megatron's DDP keeps the expert parameters in their own
+buffers (reduced over the expert-data-parallel group) and the optimizer in its own
+parameter groups (a chained optimizer); offloading, the NaN check and checkpoints
+cover both. The router's load-balancing loss enters backward inside megatron, not
+through ``loss_fn``; ``train_step`` reports it per sparse layer (``moe_aux_loss``).
+Forward-only passes run MoE models in eval mode (see ``models.moe.eval_mode``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import concat_vision_inputs
 from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
+from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -90,6 +98,20 @@ def split_micro_batches(
     return micros
 
 
+def _check_moe_training(arch: ModelArch, parallel: ParallelConfig) -> None:
+    """megatron trains MoE layers under TP only with sequence parallelism: without it every TP
+    rank routes the same tokens and the experts' gradients count each token once per rank
+    (megatron refuses in its MoE layer's forward). Sequence parallelism needs transformer-engine."""
+    tp = parallel.tensor_model_parallel_size
+    if tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"{arch.architecture}: training a mixture-of-experts model with tensor_model_parallel_size={tp} "
+            "needs sequence_parallel=true, which needs transformer-engine (GPU). On CPU set the role's "
+            "megatron.tensor_model_parallel_size=1 and split the experts with expert_model_parallel_size "
+            "(and expert_tensor_parallel_size) instead"
+        )
+
+
 class MegatronEngine:
     """A Megatron model (plus optimizer and scheduler when trained) on this rank."""
 
@@ -114,6 +136,8 @@ class MegatronEngine:
 
         self.arch = arch
         self.parallel = parallel
+        if arch.moe is not None and optim is not None:
+            _check_moe_training(arch, parallel)
         overrides: dict[str, Any] = {}
         if megatron.recompute_granularity:
             overrides["recompute_granularity"] = megatron.recompute_granularity
@@ -142,6 +166,14 @@ class MegatronEngine:
                 chunk.eval()
 
     # ------------------------------------------------------------------ training set-up
+    def _buffers(self) -> list:
+        """DDP's gradient/parameter buffers of every chunk, the expert-parallel ones included."""
+        return [
+            buf
+            for chunk in self.chunks
+            for buf in (*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", []))
+        ]
+
     def _setup_training(self, optim: OptimConfig, distributed_opt: bool, total_steps: int) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -231,7 +263,8 @@ class MegatronEngine:
         seq = micro_batches[0]["input_ids"].shape[1]
         mbs = max(m["input_ids"].shape[0] for m in micro_batches)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with context:
+        moe_eval = eval_mode(self.chunks) if forward_only and self.arch.moe else contextlib.nullcontext()
+        with context, moe_eval:
             return get_forward_backward_func()(
                 forward_step_func=step,
                 data_iterator=[iter(micro_batches) for _ in self.chunks]
@@ -261,7 +294,11 @@ class MegatronEngine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.arch.moe is not None:
+            clear_aux_losses()
         metrics = self.run(micro_batches, loss_fn, forward_only=False)
+        tracked = self.arch.moe is not None and self.config.moe_aux_loss_coeff
+        moe = self._moe_aux_loss(len(micro_batches)) if tracked else {}
         bad_ranks = self._ranks_with_nonfinite_grads()
         if bad_ranks:
             if nan_policy != "skip":
@@ -273,7 +310,13 @@ class MegatronEngine:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            return {"metrics": metrics, "grad_norm": float("nan"), "update_ok": False, "nan_skipped": True}
+            return {
+                "metrics": metrics,
+                "grad_norm": float("nan"),
+                "update_ok": False,
+                "nan_skipped": True,
+                **moe,
+            }
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(1)
@@ -282,6 +325,17 @@ class MegatronEngine:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_ok": bool(ok),
             "nan_skipped": False,
+            **moe,
+        }
+
+    def _moe_aux_loss(self, num_micro_batches: int) -> dict[str, Any]:
+        """``moe_aux_loss``: {sparse layer: load-balancing loss (coefficient divided out), mean over the
+        micro-batches and data-parallel ranks}; ``moe_aux_loss_coeff`` scales what entered backward.
+        A collective over the role (every rank reaches it once per step)."""
+        per_layer = aux_losses(self.arch.num_layers, reduce=True)
+        return {
+            "moe_aux_loss": {layer: v / num_micro_batches for layer, v in per_layer.items()},
+            "moe_aux_loss_coeff": float(self.config.moe_aux_loss_coeff),
         }
 
     def _ranks_with_nonfinite_grads(self) -> list[int]:
@@ -291,11 +345,7 @@ class MegatronEngine:
         they agree to skip (or stop) together and no rank steps its shard alone. DDP grad
         buffers hold every parameter's gradient (fp32, ``grad_reduce_in_fp32``).
         """
-        grads = [
-            buf.grad_data
-            for chunk in self.chunks
-            for buf in (*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", []))
-        ]
+        grads = [buf.grad_data for buf in self._buffers()]
         local_bad = any(not bool(torch.isfinite(g).all()) for g in grads)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         device = grads[0].device if grads else torch.device("cpu")
@@ -313,13 +363,12 @@ class MegatronEngine:
             return
         moved = []
         if params or grads:
-            for chunk in self.chunks:
-                for buf in getattr(chunk, "buffers", []):
-                    for attr, flag in (("param_data", params), ("grad_data", grads)):
-                        data = getattr(buf, attr, None)
-                        if flag and data is not None and data.is_cuda:
-                            setattr(buf, attr, data.to("cpu", non_blocking=True))
-                            moved.append((buf, attr))
+            for buf in self._buffers():
+                for attr, flag in (("param_data", params), ("grad_data", grads)):
+                    data = getattr(buf, attr, None)
+                    if flag and data is not None and data.is_cuda:
+                        setattr(buf, attr, data.to("cpu", non_blocking=True))
+                        moved.append((buf, attr))
         states = []
         if optimizer and self.optimizer is not None:
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):

@@ -54,6 +54,8 @@ def parallel_config(megatron: MegatronConfig) -> ParallelConfig:
         virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size or None,
         context_parallel_size=megatron.context_parallel_size,
         sequence_parallel=sp,
+        expert_model_parallel_size=megatron.expert_model_parallel_size,
+        expert_tensor_parallel_size=megatron.expert_tensor_parallel_size,
     )
 
 
@@ -98,12 +100,24 @@ class MegatronRoleWorker(Worker):
             parallel.virtual_pipeline_model_parallel_size,
             parallel.context_parallel_size,
             seed=self.context.seeds.model_parallel(megatron.seed),
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         )
         return parallel
 
     @staticmethod
-    def load_arch(path: str, head: HeadKind) -> ModelArch:
-        return ModelArch.from_hf_dir(os.path.expanduser(path), head=head)
+    def load_arch(path: str, head: HeadKind, overrides: dict[str, Any] | None = None) -> ModelArch:
+        """The architecture of ``<path>/config.json``; ``overrides`` (the role's
+        ``model.override_config``) replace its keys first, e.g. ``router_aux_loss_coef``."""
+        if not overrides:
+            return ModelArch.from_hf_dir(os.path.expanduser(path), head=head)
+        import json
+
+        config_path = Path(os.path.expanduser(path)) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} does not exist; pass a Hugging Face model directory")
+        config = {**json.loads(config_path.read_text()), **overrides}
+        return ModelArch.from_hf_config(config, head=head, source=f"{config_path} with override_config")
 
     # ------------------------------------------------------------------ forward helpers
     def forward_rows(

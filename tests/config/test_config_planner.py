@@ -72,12 +72,15 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
         "models/llama2_7b.yaml",
         "models/llama3.1_70b.yaml",
         "models/llama3.1_8b.yaml",
+        "models/mixtral_8x7b.yaml",
         "models/qwen2.5_14b.yaml",
         "models/qwen2.5_32b.yaml",
         "models/qwen2.5_72b.yaml",
         "models/qwen2.5_7b.yaml",
         "models/qwen2.5_vl_72b.yaml",
         "models/qwen2.5_vl_7b.yaml",
+        "models/qwen3_235b_a22b.yaml",
+        "models/qwen3_30b_a3b.yaml",
     ]
 
 

@@ -82,6 +82,35 @@ PUBLISHED = {
         vocab_size=152064,
         qkv_bias=True,
     ),
+    "models/qwen3_30b_a3b.yaml": dict(
+        num_layers=48,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        qk_norm=True,
+        moe_experts=(128, 8, 768, True),  # experts, per token, width, norm_topk_prob
+    ),
+    "models/qwen3_235b_a22b.yaml": dict(
+        num_layers=94,
+        hidden_size=4096,
+        num_attention_heads=64,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        qk_norm=True,
+        moe_experts=(128, 8, 1536, True),
+    ),
+    "models/mixtral_8x7b.yaml": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        vocab_size=32000,
+        norm_eps=1e-5,
+        moe_experts=(8, 2, 14336, True),
+    ),
 }
 
 
@@ -110,6 +139,11 @@ def test_model_preset_architecture_is_the_published_one(preset):
     arch, source = arch_for_role(load_config(preset, []), "actor")
     assert source == "model_arch"
     for key, value in PUBLISHED[preset].items():
+        if key == "moe_experts":
+            moe = arch.moe
+            assert (moe.num_experts, moe.top_k, moe.ffn_hidden_size, moe.norm_topk_prob) == value
+            assert moe.moe_layers == tuple(range(arch.num_layers))  # every layer sparse
+            continue
         assert getattr(arch, key) == value, key
 
 

@@ -25,6 +25,15 @@ VL_ARCH = [
     "model_arch.vision_config.fullatt_block_indexes=[1]",
 ]
 
+# The base model as a mixture of experts: 6 experts of width 98, 2 per token.
+MOE_ARCH = [
+    "model_arch.architectures=[Qwen3MoeForCausalLM]",
+    "model_arch.model_type=qwen3_moe",
+    "model_arch.moe_intermediate_size=98",
+    "model_arch.num_experts=6",
+    "model_arch.num_experts_per_tok=2",
+]
+
 # rule -> (overrides on top of the valid base config, substrings its message must contain)
 CASES = {
     V.check_strategy: (
@@ -243,6 +252,17 @@ CASES = {
             "data.max_pixels=1003520 lets one image take 1280 prompt tokens (784 pixels each), more than "
             "data.max_prompt_length=1024; lower max_pixels (e.g. 401408) or raise max_prompt_length",
         ],
+    ),
+    # Mixture-of-experts layouts (tests/config/test_config_moe.py covers each message).
+    V.check_expert_parallel: (
+        [*MOE_ARCH, f"{A}.megatron.expert_model_parallel_size=4"],
+        [
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4 must divide the 6 experts (model_arch)"
+        ],
+    ),
+    V.check_moe_training_layout: (
+        [*MOE_ARCH, f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cpu"],
+        ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 trains the mixture-of-experts"],
     ),
 }
 

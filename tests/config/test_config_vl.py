@@ -85,11 +85,11 @@ def test_parameter_counts_match_published_totals(config, published):
 def test_the_vision_tower_counts_on_the_first_pipeline_stage():
     arch = ModelArch.from_hf_config(QWEN2_5_VL_7B)
     c = count_parameters(arch)
-    first, last = _stage_params(arch, 4)
-    layers = c.per_layer * arch.num_layers // 4
-    assert first == layers + c.embedding + c.vision
-    assert last == layers + c.final_norm + c.output
-    assert _stage_params(arch, 1) == [c.total]
+    first, last = _stage_params(arch, 4)  # (dense, routed experts) of the first and last stage
+    layers = c.layers[0] * arch.num_layers // 4
+    assert first == (layers + c.embedding + c.vision, 0)
+    assert last == (layers + c.final_norm + c.output, 0)
+    assert _stage_params(arch, 1) == [(c.total, 0)]
 
 
 def test_plan_prints_the_total_first_and_the_vl_presets_fit(capsys):
