@@ -45,6 +45,9 @@ EXTRAS = {
         "kubernetes-validate>=1.31",
         "matplotlib>=3.8",
         "tensorboard>=2.16",
+        # tools/bench_step.py's reference (TRL's GRPOTrainer) and tools/profile_step.py's sampler.
+        "trl==1.16.0",
+        "py-spy>=0.4",
     ],
 }
 

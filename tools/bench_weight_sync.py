@@ -5,13 +5,15 @@ Issue #7 (sync memory and speed). Builds a random Llama-style HF checkpoint
 FFN 3584, vocabulary 32000, untied head), then for every ``--tp`` runs that
 many gloo ranks, each holding a Megatron actor (TP = ``--tp``, PP = 1) and an
 in-process vLLM engine at the same TP (``external_launcher``), and measures
-one ``load_format=hf`` sync (after ``--warmup`` unmeasured ones):
+one sync per ``--load-format`` (after ``--warmup`` unmeasured ones):
 
 - ``plan_s``: ``build_sync_plan``; ``gather_s`` / ``broadcast_s`` /
   ``convert_s``: ``WeightSyncer.stats``; ``generator_s``: all time spent
   inside the syncer's generator (those phases plus Python overhead);
-  ``load_s``: the rest of ``update_weights``, i.e. vLLM's ``reload_weights``
-  (its loader, layer re-materialisation and CPU repacking); ``total_s``.
+  ``load_s``: the rest of ``update_weights``: with ``hf``, vLLM's
+  ``reload_weights`` (its loader, layer re-materialisation and CPU
+  repacking); with ``sharded``, ``refit_cpu_in_place`` (copies into the live
+  parameters, then the CPU GEMM repacking); ``total_s``.
 - ``peak_extra_bytes``: resident memory above the pre-sync baseline,
   sampled by a background thread every ``--sample-ms`` (``peak_after_tensor``
   names the last tensor handed to vLLM when it peaked); next to it the
@@ -37,6 +39,7 @@ Per-rank numbers come back under ``ranks``; the summary takes the slowest
 rank's times and the largest rank's memory. Prints ONE JSON object.
 
     .venv/bin/python tools/bench_weight_sync.py --tp 1 2
+    .venv/bin/python tools/bench_weight_sync.py --tp 1 2 --load-format hf sharded
     .venv/bin/python tools/bench_weight_sync.py --tp 1 --layers 4 --profile 25   # small + cProfile of rank 0
 """
 
@@ -335,7 +338,7 @@ def measure_sync(engine, syncer, sample_s: float = 0.002, profile: int = 0) -> d
 # -- one rank ----------------------------------------------------------------------------------------
 
 
-def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int = 64):
+def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, load_format: str, max_model_len: int = 64):
     """This rank's Megatron actor (TP = world size, PP = 1) loaded from ``hf_dir``, and a vLLM engine at TP ``tp``."""
     import torch
 
@@ -353,13 +356,16 @@ def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, max_model_len: int 
     )
     load_hf_weights(chunks, hf_dir, arch)
     engine = VLLMEngine(
-        hf_dir, RolloutConfig(dtype=dtype, max_num_seqs=1), max_model_len=max_model_len, tensor_parallel_size=tp
+        hf_dir,
+        RolloutConfig(dtype=dtype, max_num_seqs=1, load_format=load_format),
+        max_model_len=max_model_len,
+        tensor_parallel_size=tp,
     )
     return arch, chunks, info, ParallelGroups.current(), engine
 
 
-def make_syncer(arch, chunks, info, groups, rollout_tp: int, bucket_bytes: int):
-    """The hf-format syncer for this rank, and the seconds ``build_sync_plan`` took."""
+def make_syncer(arch, chunks, info, groups, rollout_tp: int, load_format: str, bucket_bytes: int):
+    """This rank's syncer for ``load_format``, and the seconds ``build_sync_plan`` took."""
     from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
 
     dtype_bytes = next(chunks[0].parameters()).element_size()
@@ -368,7 +374,7 @@ def make_syncer(arch, chunks, info, groups, rollout_tp: int, bucket_bytes: int):
         arch,
         TrainLayout(info.tp_size, info.pp_size, info.vpp_size),
         rollout_tp,
-        "hf",
+        load_format,
         bucket_bytes,
         dtype_bytes,
     )
@@ -381,7 +387,17 @@ def make_syncer(arch, chunks, info, groups, rollout_tp: int, bucket_bytes: int):
 
 
 def bench_rank(
-    rank, world_size, hf_dir, dtype, bucket_bytes, warmup, sample_s, profile, threads, mmap_threshold
+    rank,
+    world_size,
+    hf_dir,
+    dtype,
+    load_format,
+    bucket_bytes,
+    warmup,
+    sample_s,
+    profile,
+    threads,
+    mmap_threshold,
 ) -> dict:
     """Per-rank body (``run_on_ranks``): build, warm up, measure the bandwidth, measure one sync."""
     import torch
@@ -394,9 +410,9 @@ def bench_rank(
     # torch is imported before run_on_ranks applies OMP_NUM_THREADS, and vLLM's CPU worker
     # disables set_num_threads once it is up: set the thread count here, first.
     torch.set_num_threads(threads)
-    arch, chunks, info, groups, engine = build_actor_and_engine(hf_dir, world_size, dtype)
+    arch, chunks, info, groups, engine = build_actor_and_engine(hf_dir, world_size, dtype, load_format)
     try:
-        syncer, plan_s = make_syncer(arch, chunks, info, groups, world_size, bucket_bytes)
+        syncer, plan_s = make_syncer(arch, chunks, info, groups, world_size, load_format, bucket_bytes)
         warm_s = []
         for _ in range(warmup):
             t0 = time.perf_counter()
@@ -430,19 +446,19 @@ def bench_rank(
 # -- the driver --------------------------------------------------------------------------------------
 
 
-def run_tp(tp: int, hf_dir: str, args, model_bytes: int) -> dict:
+def run_tp(tp: int, load_format: str, hf_dir: str, args, model_bytes: int) -> dict:
     from rlhf_megatron.platform.multiproc import run_on_ranks
 
     # Two cores: one process gets both, two processes get one each.
     threads = max(1, (os.cpu_count() or 1) // tp)
     env = {**ENV, "OMP_NUM_THREADS": str(threads)}
     ranks = run_on_ranks(
-        bench_rank, tp, hf_dir, args.dtype, args.bucket_mb * 2**20, args.warmup, args.sample_ms / 1000,
+        bench_rank, tp, hf_dir, args.dtype, load_format, args.bucket_mb * 2**20, args.warmup, args.sample_ms / 1000,
         args.profile, threads, int(args.mmap_threshold_mb * 2**20), env=env, timeout_s=args.timeout_s,
     )  # fmt: skip
     profile = ranks[0].pop("profile", None)
     if profile:
-        print(f"--- cProfile, TP={tp}, rank 0, measured sync ---\n{profile}", file=sys.stderr)
+        print(f"--- cProfile, TP={tp}, {load_format}, rank 0, measured sync ---\n{profile}", file=sys.stderr)
     slowest = max(ranks, key=lambda r: r["total_s"])
     # All ranks copy at once, so the machine's bandwidth is their sum.
     bandwidth = sum(r["copy_bandwidth_bytes_per_s"] for r in ranks)
@@ -450,6 +466,7 @@ def run_tp(tp: int, hf_dir: str, args, model_bytes: int) -> dict:
     keys = ("plan_s", "gather_s", "broadcast_s", "convert_s", "generator_s", "load_s", "total_s")
     return {
         "tp": tp,
+        "load_format": load_format,
         "seconds": {k: round(slowest[k], 4) for k in keys},
         "floor_s": round(floor_s, 4),
         "total_over_floor": round(slowest["total_s"] / floor_s, 2),
@@ -470,6 +487,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--tp", type=int, nargs="+", default=[1, 2], help="TP sizes to run (training TP = rollout TP)"
+    )
+    p.add_argument(
+        "--load-format", nargs="+", choices=("hf", "sharded"), default=["hf"], help="one run per format"
     )
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--hidden", type=int, default=1536)
@@ -532,11 +552,14 @@ def main(argv=None) -> None:
                 "hidden": arch.hidden_size, "heads": arch.num_attention_heads, "kv_heads": arch.num_kv_heads,
                 "ffn": arch.ffn_hidden_size, "vocab": arch.vocab_size, "build_s": round(build_s, 2),
             },
-            "load_format": "hf",
             "bucket_bytes": args.bucket_mb * 2**20,
             "malloc": f"mmap_threshold={args.mmap_threshold_mb}MiB" if args.mmap_threshold_mb else "glibc default",
             "cpus": os.cpu_count(),
-            "runs": [run_tp(tp, str(model_dir), args, params * itemsize) for tp in args.tp],
+            "runs": [
+                run_tp(tp, fmt, str(model_dir), args, params * itemsize)
+                for tp in args.tp
+                for fmt in args.load_format
+            ],
         }  # fmt: skip
     finally:
         if tmp is not None:

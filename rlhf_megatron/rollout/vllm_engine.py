@@ -12,11 +12,14 @@ vLLM's engine core in this process either way).
 Weights: ``update_weights`` streams ``(hf_name, tensor)`` pairs into vLLM.
 With ``load_format="hf"`` they go through the model runner's
 ``reload_weights(weights_iterator=...)``, which runs vLLM's own loader (TP
-slicing, qkv/gate-up fusion) and then its post-load processing again; on CPU
-that processing repacks linear weights, so copying into parameters directly
-would be wrong there. ``load_format="sharded"`` copies tensors that are
-already in vLLM's per-rank kernel layout straight into the parameters
-(``is_checkpoint_format=False``) and is only valid on GPU.
+slicing, qkv/gate-up fusion) and then its post-load processing again.
+``load_format="sharded"`` sends tensors already cut and fused for each vLLM TP
+rank: on GPU they are copied straight into the parameters
+(``weights.copy_sharded_weights``, expert rows included); on CPU, where linear
+weights live inside packed GEMM kernels, ``refit_cpu_in_place`` puts them into
+the parameters and reruns only the affected layers' post-load processing (the
+repacking). vLLM 0.32 on CPU packs mixture-of-experts weights only on the first
+load, so every CPU update repacks them (``repack_cpu_experts``).
 
 Memory: on GPU ``sleep()``/``wake_up()`` release and restore weights and KV
 cache (vLLM sleep mode) around training phases; on CPU they are no-ops, and
@@ -44,6 +47,7 @@ from rlhf_megatron.rollout.base import (
     prompt_token_lists,
     vision_token_bias,
 )
+from rlhf_megatron.weights.execute import copy_sharded_weights
 from rlhf_megatron.weights.plan import LOAD_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -134,6 +138,112 @@ def _cpu_kv_cache_bytes(model_path: str, max_model_len: int, max_num_seqs: int, 
     return max(64 * 2**20, int(per_token * max_model_len * max_num_seqs * 1.25))
 
 
+def _cpu_experts_kernel(module: torch.nn.Module) -> Any:
+    """The CPU grouped-GEMM experts object of a vLLM fused-MoE layer, or None for other modules."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return experts if experts is not None and hasattr(module, "w13_weight") else None
+
+
+@torch.no_grad()
+def refit_cpu_in_place(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load per-rank tensors in vLLM's own layout (``load_format=sharded``) into a CPU model in place.
+
+    vLLM on CPU keeps each linear layer's weight only inside a packed GEMM kernel (oneDNN or
+    sgl), built by the layer's ``process_weights_after_loading``; its ``weight`` parameter is
+    then empty. ``reload_weights`` therefore rebuilds every layer through the loader (meta
+    tensors, re-materialised layers, the loader's slicing) before repacking. Tensors already
+    cut and fused for this rank need none of that: put each into its parameter (a fresh one
+    for an emptied linear weight), then rerun only the post-load processing of the layers
+    touched, and of the layers sharing a touched parameter (a tied LM head packs its own
+    copy of the embedding). Mixture-of-experts layers hold their experts prepacked (and
+    maybe padded) for the grouped GEMM: rows ``w13_weight[e]`` / ``w2_weight[e]`` are
+    gathered into fresh unpacked tensors, which must cover every local expert, and the
+    layer's experts kernel packs them again. Returns the number of tensors loaded.
+    """
+    modules = dict(model.named_modules())
+    touched: dict[int, torch.nn.Module] = {}
+    updated: set[int] = set()
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    count = 0
+    for name, tensor in weights:
+        count += 1
+        base, _, index = name.rstrip("]").partition("[")
+        module_name, _, param_name = base.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, param_name):
+            raise KeyError(
+                f"weight sync (sharded, CPU): vLLM's model has no parameter {base!r} (from {name!r})"
+            )
+        if index:
+            if _cpu_experts_kernel(module) is None:
+                raise KeyError(
+                    f"weight sync (sharded, CPU): {name!r} indexes {base}, which is not a fused expert weight"
+                )
+            experts.setdefault((module_name, param_name), {})[int(index)] = tensor.detach().clone()
+            continue
+        param = getattr(module, param_name)
+        if param.numel() == 0 and tensor.numel() > 0:
+            # The kernel owns the old weight; the tensor is a view into a bucket that is reused.
+            param = torch.nn.Parameter(tensor.detach().clone(), requires_grad=False)
+            setattr(module, param_name, param)
+        elif param.shape != tensor.shape:
+            raise ValueError(
+                f"weight sync (sharded, CPU): {name} has shape {list(tensor.shape)} but vLLM's parameter has "
+                f"{list(param.shape)} on this rank"
+            )
+        else:
+            param.copy_(tensor)
+        updated.add(id(param))
+        touched[id(module)] = module
+    for module in model.modules():
+        if id(getattr(module, "weight", None)) in updated:
+            touched[id(module)] = module
+    for module in touched.values():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    _repack_experts(modules, experts)
+    return count
+
+
+def _repack_experts(
+    modules: dict[str, torch.nn.Module], rows: dict[tuple[str, str], dict[int, torch.Tensor]]
+) -> None:
+    """Stack each fused-MoE layer's expert rows into unpacked ``w13_weight``/``w2_weight`` and pack them."""
+    from vllm.model_executor.utils import replace_parameter
+
+    layers = sorted({module_name for module_name, _ in rows})
+    for module_name in layers:
+        module = modules[module_name]
+        for param_name in ("w13_weight", "w2_weight"):
+            got = rows.get((module_name, param_name), {})
+            if sorted(got) != list(range(module.local_num_experts)):
+                raise ValueError(
+                    f"weight sync (sharded, CPU): {module_name}.{param_name} got expert rows {sorted(got)}, "
+                    f"vLLM holds {module.local_num_experts} experts on this rank; every row must be sent"
+                )
+            replace_parameter(module, param_name, torch.stack([got[e] for e in range(len(got))]))
+        _cpu_experts_kernel(module).process_weights_after_loading(module)
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Pack every fused-MoE layer's freshly loaded experts for vLLM's CPU grouped GEMM; returns how many.
+
+    vLLM 0.32 on CPU packs a layer's ``w13_weight``/``w2_weight`` only on the first load: after
+    ``reload_weights`` the new weights sit unpacked in the layer and it computes garbage
+    (log-probs off by ~1 on a tiny Qwen3-MoE). ``update_weights`` runs this after every
+    ``hf`` reload on CPU; dense layers are untouched.
+    """
+    count = 0
+    for module in model.modules():
+        kernel = _cpu_experts_kernel(module)
+        if kernel is not None:
+            kernel.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
 class VLLMEngine:
     """vLLM behind the ``RolloutEngine`` interface (see ``rollout/base.py``)."""
 
@@ -156,11 +266,6 @@ class VLLMEngine:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"actor_rollout_ref.rollout.load_format={self.load_format!r} is not one of {LOAD_FORMATS}"
-            )
-        if self.load_format == "sharded" and not self.on_gpu:
-            raise ValueError(
-                "actor_rollout_ref.rollout.load_format=sharded copies weights into vLLM's GPU parameters; "
-                "vLLM on CPU repacks its weights after loading, so use load_format=hf on CPU"
             )
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len
@@ -265,10 +370,14 @@ class VLLMEngine:
         """Load new weights. ``weights`` may be a generator; it is consumed exactly once, streaming."""
         if self.load_format == "hf":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            if not self.on_gpu:
+                self.llm.apply_model(repack_cpu_experts)
+        elif self.on_gpu:
+            # Straight into the parameters; vLLM's own kernel-format reload cannot take the
+            # per-expert rows (``w13_weight[e]``) the plan sends for mixture-of-experts layers.
+            self.llm.apply_model(lambda model: copy_sharded_weights(model, iter(weights)))
         else:
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": False}
-            )
+            self.llm.apply_model(lambda model: refit_cpu_in_place(model, iter(weights)))
         self.llm.reset_prefix_cache()
         # reload_weights empties the model runner's cache of vision-encoder outputs (they were
         # computed with the old weights) but not the scheduler's record of what it holds; left

@@ -56,6 +56,32 @@ def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     return metrics
 
 
+def compute_rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the actor's.
+
+    ``rollout_log_probs`` (vLLM's, raw) and ``old_log_probs`` (the Megatron actor's, same
+    weights) should agree; the gap is kernel and precision noise in fp32, a few 1e-3 in bf16,
+    and larger when something is wrong (stale weights, a different MoE routing, a bad
+    conversion). ``training/rollout_probs_diff_mean``/``_max``: |p_rollout - p_actor| over
+    response tokens; ``training/rollout_actor_kl``: the k3 estimate of KL(rollout || actor)
+    per token, averaged (0 when they agree).
+    """
+    if "rollout_log_probs" not in batch.tensor_keys or "old_log_probs" not in batch.tensor_keys:
+        return {}
+    mask = batch["response_mask"].bool()
+    if not mask.any():
+        return {}
+    rollout, actor = batch["rollout_log_probs"][mask].double(), batch["old_log_probs"][mask].double()
+    diff = (rollout.exp() - actor.exp()).abs()
+    log_ratio = actor - rollout  # log(p_actor / p_rollout), under samples from the rollout
+    kl = (log_ratio.exp() - 1 - log_ratio).mean()  # k3: unbiased, >= 0
+    return {
+        "training/rollout_probs_diff_mean": float(diff.mean()),
+        "training/rollout_probs_diff_max": float(diff.max()),
+        "training/rollout_actor_kl": float(kl),
+    }
+
+
 def mean_over_ranks(results: list[dict[str, float]]) -> dict[str, float]:
     """Average per-DP-rank metric dicts (each rank reports means over its own data)."""
     keys = sorted({k for r in results for k in r})

@@ -33,7 +33,13 @@ from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
-from rlhf_megatron.trainer.metrics import compute_data_metrics, compute_perf_metrics, mean_over_ranks, timer
+from rlhf_megatron.trainer.metrics import (
+    compute_data_metrics,
+    compute_perf_metrics,
+    compute_rollout_mismatch_metrics,
+    mean_over_ranks,
+    timer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +67,7 @@ class PPOTrainer:
         n_params: int,
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
-        leaves out); ``n_params`` is the actor's size, for MFU."""
+        leaves out); ``n_params`` is the actor's parameters per token (active, for MoE), for MFU."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
@@ -141,6 +147,7 @@ class PPOTrainer:
         with timer("old_log_prob", timings):
             old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
             batch = batch.union(old.select(["old_log_probs"]))
+        metrics.update(compute_rollout_mismatch_metrics(batch))
         if plan.ref:
             with timer("ref", timings):
                 batch = batch.union(self.actor.call("compute_ref_log_prob", batch, dispatch="dp_compute"))

@@ -16,6 +16,7 @@ engine and receive the same prompts) for generation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,7 +30,7 @@ from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
 from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
-from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
 UPDATE_KEYS = ("responses", "response_mask", "old_log_probs", "advantages")
@@ -70,7 +71,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         arc = self.section
         parallel = self.setup_parallel(arc.actor.megatron)
         self.path = os.path.expanduser(arc.model.path)
-        self.arch = self.load_arch(self.path, "lm")
+        self.arch = self.load_arch(self.path, "lm", arc.model.override_config)
         self.actor = MegatronEngine(
             self.arch,
             parallel,
@@ -115,15 +116,20 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         p = self.parallel
         plan = build_sync_plan(
             self.arch,
-            TrainLayout(p.tp_size, p.pp_size, p.vpp_size),
+            TrainLayout.of(p),
             self.rollout_tp,
             rollout.load_format,
             rollout.update_weights_bucket_megabytes * 2**20,
             dtype_bytes=next(self.actor.chunks[0].parameters()).element_size(),
         )
-        transport = CollectiveTransport(groups.tp_group, p.tp_size, groups.pp_group, groups.pp_ranks)
         self.syncer = WeightSyncer(
-            plan, self.actor.chunks, p.tp_rank, p.pp_rank, transport, rollout_rank=self.rank % self.rollout_tp
+            plan,
+            self.actor.chunks,
+            p.tp_rank,
+            p.pp_rank,
+            CollectiveTransport.of(groups),
+            rollout_rank=self.rank % self.rollout_tp,
+            ep_rank=p.ep_rank,
         )
 
     def dispatch_info(self, layout: str = "megatron") -> tuple[int, int, bool]:
@@ -170,37 +176,33 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         return out
 
     # ------------------------------------------------------------------ log-probs
-    def _log_prob_fn(self, with_entropy: bool):
+    def _log_prob_fn(self):
         vocab = self.arch.vocab_size
 
         def fn(logits, micro):
-            prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
-            resp_logits = logits[:, prompt_len - 1 : -1]  # (b, R, V/tp): position t predicts token t+1
-            out = {"log_probs": vocab_parallel_log_probs(resp_logits, micro["responses"], vocab).detach()}
-            if with_entropy:
-                out["entropy"] = vocab_parallel_entropy(resp_logits, vocab).detach()
-            return out
+            resp_logits = response_outputs(logits, micro)  # (b, w, V/tp): position t predicts token t+1
+            labels = micro["responses"][:, : resp_logits.shape[1]]
+            return {"log_probs": pad_responses(vocab_parallel_log_probs(resp_logits, labels, vocab), micro)}
 
         return fn
 
-    def _forward_log_probs(self, engine: MegatronEngine, batch: Batch, with_entropy: bool):
+    def _forward_log_probs(self, engine: MegatronEngine, batch: Batch):
         rollout = self.section.rollout
         max_tokens = rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None
         return self.forward_rows(
             engine,
             batch,
-            self._log_prob_fn(with_entropy),
+            self._log_prob_fn(),
             rollout.log_prob_micro_batch_size_per_gpu,
             max_tokens,
             extra_keys=("responses",),
         )
 
     def compute_log_prob(self, batch: Batch) -> Batch | None:
-        """``old_log_probs`` (and ``entropy``) [B, R] of the current actor."""
-        out = self._forward_log_probs(self.actor, batch, with_entropy=True)
-        if out is None:
-            return None
-        return Batch.from_dict({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+        """``old_log_probs`` [B, R] of the current actor. (No entropy: the update pass logs it, and
+        over a real vocabulary it costs as much as the log-probs.)"""
+        out = self._forward_log_probs(self.actor, batch)
+        return None if out is None else Batch.from_dict({"old_log_probs": out["log_probs"]})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         """``ref_log_probs`` [B, R] of the reference policy."""
@@ -208,10 +210,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             raise RuntimeError(
                 "[actor] the reference model was not built (the run's RolePlan has no KL term)"
             )
-        out = self._forward_log_probs(self.ref, batch, with_entropy=False)
-        if out is None:
-            return None
-        return Batch.from_dict({"ref_log_probs": out["log_probs"]})
+        out = self._forward_log_probs(self.ref, batch)
+        return None if out is None else Batch.from_dict({"ref_log_probs": out["log_probs"]})
 
     # ------------------------------------------------------------------ update
     def _policy_loss_fn(self):
@@ -221,10 +221,10 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         mode = actor.loss_agg_mode
 
         def fn(logits, micro):
-            prompt_len = micro["input_ids"].shape[1] - micro["responses"].shape[1]
-            resp_logits = logits[:, prompt_len - 1 : -1]  # (b, R, V/tp)
+            resp_logits = response_outputs(logits, micro)  # (b, w, V/tp); w <= R after trimming
+            labels = micro["responses"][:, : resp_logits.shape[1]]
             mask = micro["response_mask"].to(torch.float32)
-            log_prob = vocab_parallel_log_probs(resp_logits, micro["responses"], vocab)
+            log_prob = pad_responses(vocab_parallel_log_probs(resp_logits, labels, vocab), micro)  # (b, R)
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
                 old_log_prob=micro["old_log_probs"],
                 log_prob=log_prob,
@@ -243,7 +243,11 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 "actor/ppo_kl": ppo_kl.detach(),
                 "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
             }
-            entropy = agg_loss(vocab_parallel_entropy(resp_logits, vocab), mask, mode)
+            # Without an entropy bonus the entropy is only a metric: no graph, no saved activations.
+            with contextlib.nullcontext() if actor.entropy_coeff else torch.no_grad():
+                entropy = agg_loss(
+                    pad_responses(vocab_parallel_entropy(resp_logits, vocab), micro), mask, mode
+                )
             metrics["actor/entropy"] = entropy.detach()
             if actor.entropy_coeff:
                 loss = loss - actor.entropy_coeff * entropy

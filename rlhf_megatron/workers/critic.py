@@ -25,13 +25,14 @@ from rlhf_megatron.algorithms import compute_value_loss
 from rlhf_megatron.config.schema import CriticConfig, RewardModelConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import fault_point
-from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
 
-def _response_values(values: torch.Tensor, response_len: int) -> torch.Tensor:
-    """(b, P+R) per-position values -> (b, R) values of the states that emit each response token."""
-    return values[:, -response_len - 1 : -1]
+def _response_values(values: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(b, S) per-position values -> (b, R) values of the states that emit each response token
+    (zeros past the response columns the model saw, see ``trim_padding``)."""
+    return pad_responses(response_outputs(values, micro).float(), micro)
 
 
 class CriticWorker(MegatronRoleWorker):
@@ -60,7 +61,7 @@ class CriticWorker(MegatronRoleWorker):
         critic = self.section
 
         def values_fn(values, micro):
-            return {"values": _response_values(values, micro["responses"].shape[1]).float().detach()}
+            return {"values": _response_values(values, micro).detach()}
 
         out = self.forward_rows(
             self.critic,
@@ -78,7 +79,7 @@ class CriticWorker(MegatronRoleWorker):
         fault_point("critic.update", step=self.updates + 1, rank=self.rank, batch=batch)
 
         def loss_fn(values, micro):
-            vpreds = _response_values(values, micro["responses"].shape[1]).float()
+            vpreds = _response_values(values, micro)
             mask = micro["response_mask"].float()
             vf_loss, clipfrac = compute_value_loss(
                 vpreds, micro["returns"], micro["values"], mask, critic.cliprange_value, critic.loss_agg_mode
@@ -105,7 +106,7 @@ class RewardModelWorker(MegatronRoleWorker):
         rm = self.section
         parallel = self.setup_parallel(rm.megatron)
         self.path = os.path.expanduser(rm.model.path)
-        arch = self.load_arch(self.path, "reward")
+        arch = self.load_arch(self.path, "reward", rm.model.override_config)
         self.rm = MegatronEngine(arch, parallel, self.path, rm.megatron)
         self.engines = {"reward_model": self.rm}
         self.rm_tokenizer = AutoTokenizer.from_pretrained(self.path)

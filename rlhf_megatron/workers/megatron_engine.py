@@ -98,6 +98,55 @@ def split_micro_batches(
     return micros
 
 
+def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The micro-batch with the columns that are padding in every row cut off both ends.
+
+    Batches are padded to ``max_prompt_length + max_response_length`` for the whole run, but a
+    micro-batch's rows are usually much shorter: the prompt region starts with columns that
+    are left padding in every row, and the response region ends with columns that every row
+    has finished before. Cutting them saves their share of every layer's work. Exact: a
+    dropped column is masked for every query, and positions are relative (RoPE) or carried in
+    ``position_ids`` (M-RoPE). Only the model inputs are cut; per-token tensors keep their
+    full response width ``R`` and ``micro["_response_width"]`` says how many response columns
+    the model sees (the loss functions pad their results back to ``R``). ``multiple``: the
+    width stays a multiple of it (sequence parallelism needs a multiple of the TP size).
+    """
+    mask = micro["attention_mask"]
+    width = mask.shape[1]
+    used = torch.nonzero(mask.any(0)).flatten()
+    if used.numel() == 0:
+        return micro
+    left, right = int(used[0]), int(used[-1]) + 1
+    out = dict(micro)
+    if "responses" in micro:
+        prompt_width = width - micro["responses"].shape[1]
+        kept = max(right - prompt_width, 1)  # keep one response column, so every slice is non-empty
+        right = prompt_width + kept
+        out["_response_width"] = kept
+    left = min(left, right - 1)
+    if multiple > 1:
+        left = max(0, right - -(-(right - left) // multiple) * multiple)
+    for key in MODEL_KEYS:
+        out[key] = micro[key][..., left:right]  # position_ids may be [b, 3, S] (M-RoPE)
+    return out
+
+
+def response_outputs(output: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model outputs at the positions that predict the micro-batch's response tokens:
+    ``output[:, -w - 1 : -1]`` for the ``w`` response columns the model saw (all ``R`` untrimmed)."""
+    width = micro.get("_response_width", micro["responses"].shape[1])
+    return output[:, -width - 1 : -1]
+
+
+def pad_responses(values: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[b, w, ...]`` per-response-token values back to the full ``[b, R, ...]`` (zeros past ``w``)."""
+    missing = micro["responses"].shape[1] - values.shape[1]
+    if missing == 0:
+        return values
+    pad = values.new_zeros((values.shape[0], missing, *values.shape[2:]))
+    return torch.cat([values, pad], dim=1)
+
+
 def _check_moe_training(arch: ModelArch, parallel: ParallelConfig) -> None:
     """megatron trains MoE layers under TP only with sequence parallelism: without it every TP
     rank routes the same tokens and the experts' gradients count each token once per rank
@@ -254,6 +303,14 @@ class MegatronEngine:
             )
             return output, lambda out: loss_fn(out.squeeze(-1) if out.shape[-1] == 1 else out, micro)
 
+        # Trim padding columns when every micro-batch may have its own width: always without
+        # pipelining, and with it only when megatron exchanges shapes between stages.
+        if self.parallel.pipeline_model_parallel_size == 1 or self.config.variable_seq_lengths:
+            multiple = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
+            multiple *= (
+                2 * self.parallel.context_parallel_size if self.parallel.context_parallel_size > 1 else 1
+            )
+            micro_batches = [trim_padding(m, multiple) for m in micro_batches]
         n_chunks = len(self.chunks)
         if n_chunks > 1 and len(micro_batches) % self.parallel.pipeline_model_parallel_size:
             raise ValueError(

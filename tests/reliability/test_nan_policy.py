@@ -35,8 +35,12 @@ def _nan_step(rank, world, model):
     init_model_parallel(2, 1, seed=1)
     arch = ModelArch.from_hf_dir(model)
     engine = MegatronEngine(
-        arch, ParallelConfig(2), model, MegatronConfig(params_dtype="float32", use_distributed_optimizer=False),
-        OptimConfig(lr=1e-3), total_steps=10
+        arch,
+        ParallelConfig(2),
+        model,
+        MegatronConfig(params_dtype="float32", use_distributed_optimizer=False),
+        OptimConfig(lr=1e-3),
+        total_steps=10,
     )
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
     batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),

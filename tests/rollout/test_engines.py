@@ -64,7 +64,12 @@ def _vllm_generate_and_refit(rank, world_size, model_path):
     from transformers import AutoModelForCausalLM
 
     engine = build_rollout_engine(
-        "vllm", model_path, RolloutConfig(dtype="float32", max_num_seqs=8), max_model_len=64, seed=0, pad_token_id=0
+        "vllm",
+        model_path,
+        RolloutConfig(dtype="float32", max_num_seqs=8),
+        max_model_len=64,
+        seed=0,
+        pad_token_id=0,
     )
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     sampling = RolloutSampling(n=2, temperature=1.0, response_length=RESPONSE_LEN)
@@ -104,7 +109,9 @@ def test_vllm_engine_layout_logprobs_and_refit(tiny_llama):
 
 def test_hf_engine_layout_and_logprobs(tiny_llama):
     engine = build_rollout_engine("hf", tiny_llama, RolloutConfig(), seed=0, pad_token_id=0, eos_token_id=2)
-    out = engine.generate_sequences(_prompt_batch(PROMPTS), RolloutSampling(n=2, response_length=RESPONSE_LEN))
+    out = engine.generate_sequences(
+        _prompt_batch(PROMPTS), RolloutSampling(n=2, response_length=RESPONSE_LEN)
+    )
     _check_layout(out, n=2)
     err = ((out["rollout_log_probs"] - _hf_log_probs(engine.model, out)).abs() * out["response_mask"]).max()
     assert err < 1e-4
@@ -142,7 +149,9 @@ def test_sampling_rejects_bad_values(kwargs, message):
 
 
 def test_sampling_from_the_rollout_section_applies_val_kwargs_and_greedy():
-    cfg = RolloutConfig(n=4, temperature=0.7, response_length=16, val_kwargs=ValSamplingConfig(do_sample=False, n=3))
+    cfg = RolloutConfig(
+        n=4, temperature=0.7, response_length=16, val_kwargs=ValSamplingConfig(do_sample=False, n=3)
+    )
     train = RolloutSampling.from_config(cfg)
     val = RolloutSampling.from_config(cfg, validate=True)
     greedy = RolloutSampling.from_config(cfg, greedy=True, seed=5)

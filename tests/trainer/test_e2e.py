@@ -15,6 +15,8 @@ def _check_step(record, use_critic):
     assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
     assert record["response_length/mean"] > 0, "empty responses"
     assert record["timing_s/sync_weights"] > 0 and record["sync/peak_bucket_bytes"] > 0, "no weight sync"
+    # fp32 on CPU: vLLM's log-probs of its samples equal the Megatron actor's (same weights)
+    assert record["training/rollout_probs_diff_max"] < 1e-4 and record["training/rollout_actor_kl"] < 1e-6
     for key in ("critic/score/mean", "actor/entropy", "actor/ppo_kl", "actor/lr", "prompt_length/mean",
                 "perf/throughput", "perf/mfu", "timing_s/gen", "timing_s/update_actor"):  # fmt: skip
         assert key in record, key

@@ -120,6 +120,8 @@ def test_seed_003_config_and_command_train_on_images_save_and_resume(vl_inputs, 
         ):
             assert math.isfinite(r[key]), key
         assert r["sync/peak_bucket_bytes"] > 0, "no weight sync into vLLM"
+        # vLLM (images through its own vision tower) and the Megatron actor agree on every step's tokens
+        assert r["training/rollout_probs_diff_max"] < 1e-4, r["training/rollout_probs_diff_max"]
     validations = [r for r in records if "val/accuracy" in r]
     assert [r["step"] for r in validations] == [0, 2]  # val_before_train and val_freq=2 (also the last step)
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

