@@ -7,6 +7,7 @@
 #   bash scripts/quickstart.sh                      # GRPO (configs/quickstart_cpu.yaml)
 #   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic
 #   CONFIG=configs/quickstart_vl_cpu.yaml bash scripts/quickstart.sh    # images: a tiny Qwen2.5-VL
+#   CONFIG=configs/quickstart_moe_cpu.yaml bash scripts/quickstart.sh   # a tiny Qwen3-MoE at EP=2
 #   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ PY=.venv/bin/python
 
 case "$CONFIG" in
   *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
+  *_moe_*) $PY tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model --data-dir outputs/data/arith ;;
   *) $PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith ;;
 esac
 run_dir=$($PY -m rlhf_megatron.train --config "$CONFIG" --dry-run "$@" 2>/dev/null \

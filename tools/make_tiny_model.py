@@ -2,6 +2,7 @@
 briefly pre-trained (supervised) on the arithmetic task so that it starts weak but not random.
 
     .venv/bin/python tools/make_tiny_model.py [--out outputs/tiny_model] [--data-dir outputs/data/arith]
+    .venv/bin/python tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model   # MoE quickstart
 
 It writes the RL prompts first (``train.parquet`` and ``test.parquet`` in ``--data-dir``, through
 ``tools/data/arith.py``), then trains and saves the model (safetensors, tokenizer, ``stamp.json``)
@@ -45,7 +46,7 @@ import torch
 import transformers
 
 from rlhf_megatron.data.synthetic import make_arith_rows, make_arith_split
-from rlhf_megatron.models.tiny import build_tiny_hf_model
+from rlhf_megatron.models.tiny import build_tiny_hf_model, build_tiny_moe_model
 from rlhf_megatron.rewards.arith import compute_score
 
 # Bump when the recipe changes in a way the arguments do not show, so old stamps stop matching.
@@ -75,6 +76,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--train-size", type=int, default=2048, help="RL train prompts (repeats the pool)")
     p.add_argument("--test-size", type=int, default=200, help="held-out prompts (validation)")
     p.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
+    p.add_argument(
+        "--arch",
+        choices=("llama", "qwen3_moe"),
+        default="llama",
+        help="qwen3_moe: the mixture-of-experts quickstart's policy (--experts experts, top-2)",
+    )
+    p.add_argument("--experts", type=int, default=4, help="qwen3_moe: experts per sparse layer")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--ffn-hidden-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=300, help="most SFT steps (fewer when the target is hit)")
@@ -221,7 +229,9 @@ def pretrain(model, tokenizer, pool: list[Example], probe: list[Example], args) 
         if len(order) < args.batch_size:
             order += rng.sample(pool, len(pool))
         batch, order = order[: args.batch_size], order[args.batch_size :]
-        loss = model(**collate_sft(batch, tokenizer.pad_token_id)).loss  # mean over answer tokens
+        # Mean over answer tokens; for a mixture of experts plus its load-balancing loss.
+        moe = {"output_router_logits": True} if getattr(model.config, "num_experts", None) else {}
+        loss = model(**collate_sft(batch, tokenizer.pad_token_id), **moe).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -238,18 +248,27 @@ def pretrain(model, tokenizer, pool: list[Example], probe: list[Example], args) 
 def build(args: argparse.Namespace, out_dir: Path) -> dict:
     """Train the policy, save it to ``out_dir`` and return the result record."""
     start = time.perf_counter()
-    model, tokenizer = build_tiny_hf_model(
-        arch="llama",
+    shape = dict(
         num_layers=args.num_layers,
         hidden_size=256,
         num_heads=4,
         num_kv_heads=2,  # TP=2 gives each rank 2 query heads and 1 KV head
         head_dim=64,
-        ffn_hidden_size=args.ffn_hidden_size,
         tie_word_embeddings=False,
         max_position_embeddings=128,
         seed=args.seed,
     )
+    if args.arch == "qwen3_moe":
+        # Every layer sparse: experts of half the dense width, two per token (the same active size).
+        model, tokenizer = build_tiny_moe_model(
+            family="qwen3_moe",
+            num_experts=args.experts,
+            top_k=2,
+            expert_ffn_hidden_size=args.ffn_hidden_size // 2,
+            **shape,
+        )
+    else:
+        model, tokenizer = build_tiny_hf_model(arch="llama", ffn_hidden_size=args.ffn_hidden_size, **shape)
     pool_rows, probe_rows, test_rows = split_problems(args)
     pool, probe, test = (encode(tokenizer, r) for r in (pool_rows, probe_rows, test_rows))
     steps, curve = pretrain(model, tokenizer, pool, probe, args)

@@ -226,6 +226,15 @@ class PolicyLossConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """``actor_rollout_ref.actor.router_replay``: replay mixture-of-experts routing (verl's key)."""
+
+    mode: str = "disabled"
+    """disabled; R2: the update passes replay the experts the old-log-prob pass chose; R3: the
+    old-log-prob and update passes replay the experts vLLM chose while sampling."""
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor``: the policy being trained."""
 
@@ -297,6 +306,9 @@ class ActorConfig:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What actor checkpoints hold."""
+
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Mixture-of-experts routing replay (R2/R3)."""
 
 
 @dataclass

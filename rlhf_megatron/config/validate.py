@@ -83,6 +83,7 @@ _MEGATRON_CHOICES = {
     "recompute_granularity": (None, "selective", "full"),
     "recompute_method": (None, "uniform", "block"),
 }
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 CHOICES: dict[str, tuple] = {
     "data.truncation": ("error", "left", "right", "middle"),
     f"{ROLLOUT}.name": ("vllm", "hf"),
@@ -93,6 +94,7 @@ CHOICES: dict[str, tuple] = {
     "critic.optim.warmup_style": ("constant", "cosine"),
     "reward.on_error": ("raise", "zero"),
     "trainer.device": ("auto", "cuda", "cpu"),
+    f"{ACTOR}.router_replay.mode": ROUTER_REPLAY_MODES,
     "trainer.nan_policy": ("stop", "skip"),
     "trainer.verify_checkpoint": ("sha256", "size", "none"),
     **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
@@ -673,6 +675,54 @@ def check_moe_training_layout(ctx: ValidationContext) -> list[str]:
     return out
 
 
+def check_routing_replay(
+    mode: str, is_moe: bool, recompute_granularity: str | None, cp: int, where: str
+) -> None:
+    """Refuse routing replay (``models.routing_replay``) where it cannot work; ``where`` names the key."""
+    if mode not in ROUTER_REPLAY_MODES:
+        raise ValueError(f"{where}.mode={mode!r} is not one of {ROUTER_REPLAY_MODES}")
+    if mode == "disabled":
+        return
+    if not is_moe:
+        raise ValueError(f"{where}.mode={mode} replays mixture-of-experts routing; this model has no experts")
+    if recompute_granularity == "full":
+        raise ValueError(
+            f"{where}.mode={mode} cannot be combined with megatron.recompute_granularity=full (the recomputed "
+            "routers would choose afresh); use selective recomputation or none"
+        )
+    if cp > 1:
+        raise ValueError(f"{where}.mode={mode} does not support context_parallel_size={cp}; set it to 1")
+
+
+def check_router_replay(ctx: ValidationContext) -> list[str]:
+    """Routing replay needs experts, no full recomputation, no context parallelism, and (R3) vLLM."""
+    key = f"{ACTOR}.router_replay"
+    mode = ctx.get(f"{key}.mode")
+    if mode not in ROUTER_REPLAY_MODES or mode == "disabled":
+        return []
+    arch, source = ctx.archs["actor"]
+    m = megatron_section(ctx.cfg, "actor")
+    out = []
+    try:
+        check_routing_replay(
+            mode,
+            arch is None or arch.moe is not None,
+            m.recompute_granularity,
+            m.context_parallel_size,
+            key,
+        )
+    except ValueError as e:
+        out.append(f"{e} ({source})" if "no experts" in str(e) else str(e))
+    if mode == "R3" and ctx.get(f"{ROLLOUT}.name") != "vllm":
+        out.append(f"{key}.mode=R3 replays the experts vLLM chose; it needs {ROLLOUT}.name=vllm (or use R2)")
+    if mode == "R3" and ctx.get("trainer.device") == "cpu":
+        out.append(
+            f"{key}.mode=R3 replays the experts vLLM chose, which vLLM captures only on GPU (its V2 model "
+            "runner needs Triton); use mode=R2 with trainer.device=cpu"
+        )
+    return out
+
+
 RULES: tuple[Rule, ...] = (
     check_strategy,
     check_choices,
@@ -702,6 +752,7 @@ RULES: tuple[Rule, ...] = (
     check_vision_language_options,
     check_expert_parallel,
     check_moe_training_layout,
+    check_router_replay,
 )
 
 # Rules whose arithmetic divides by or compares sizes; they run only when the sizes

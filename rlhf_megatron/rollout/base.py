@@ -13,6 +13,8 @@ prompt 1's, ...), in the layout the rest of the trainer expects (see
 ``attention_mask``     [B*n, P+R]   prompt mask ++ response_mask
 ``position_ids``       [B*n, P+R]   prompt positions, then last prompt position + 1, 2, ...
 ``rollout_log_probs``  [B*n, R]     the engine's log-prob of each sampled token
+``routed_experts``     [B*n, P+R,   (vLLM, when asked: routing replay R3) the experts each
+                       L, k]        token went to per layer, -1 where none (``assemble_routes``)
 =====================  ===========  ==============================================
 
 Every non-tensor column of the input (``data_source``, ``index``, ...) is
@@ -28,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
@@ -184,3 +187,30 @@ def assemble_rollout(
         if key not in tensors and key not in ("input_ids", "attention_mask", "position_ids"):
             tensors[key] = expanded[key]
     return Batch(tensors, non_tensors, dict(prompts.meta_info))
+
+
+def assemble_routes(
+    routes: Sequence[np.ndarray | None],
+    prompt_lengths: Sequence[int],
+    prompt_width: int,
+    response_length: int,
+) -> torch.Tensor:
+    """Per-sample expert routes from the rollout engine, ``[tokens, L, k]`` each (the prompt's and
+    the response's tokens in order, as far as the engine fed them through the model), laid out
+    like ``input_ids``: ``[rows, prompt_width + response_length, L, k]`` int16, the prompt
+    right-aligned, ``-1`` where a column has no route (padding, the last sampled token).
+    ``prompt_lengths`` are per row (prompts already repeated ``n`` times)."""
+    if len(routes) != len(prompt_lengths):
+        raise ValueError(f"{len(routes)} route arrays for {len(prompt_lengths)} rollout rows")
+    shape = next((r.shape[1:] for r in routes if r is not None), None)
+    if shape is None:
+        raise ValueError("the rollout engine returned no expert routes (is routed-expert capture on?)")
+    width = prompt_width + response_length
+    out = torch.full((len(routes), width, *shape), -1, dtype=torch.int16)
+    for row, (r, length) in enumerate(zip(routes, prompt_lengths)):
+        if r is None:
+            raise ValueError(f"the rollout engine returned no expert routes for row {row}")
+        start = prompt_width - length
+        count = min(len(r), width - start)
+        out[row, start : start + count] = torch.as_tensor(np.asarray(r[:count]), dtype=torch.int16)
+    return out

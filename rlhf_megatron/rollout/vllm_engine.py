@@ -43,6 +43,7 @@ from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rollout.base import (
     RolloutSampling,
     assemble_rollout,
+    assemble_routes,
     prompt_images,
     prompt_token_lists,
     vision_token_bias,
@@ -257,6 +258,7 @@ class VLLMEngine:
         pad_token_id: int = 0,
         tensor_parallel_size: int | None = None,
         trust_remote_code: bool = False,
+        return_routed_experts: bool = False,
     ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -307,6 +309,16 @@ class VLLMEngine:
             )
         if rollout.limit_images > 0:  # the most images one prompt may carry (vLLM sizes its buffers by it)
             kwargs["limit_mm_per_prompt"] = {"image": rollout.limit_images}
+        self.return_routed_experts = return_routed_experts
+        if return_routed_experts:
+            # Routing replay R3. vLLM captures routes only in its V2 model runner, which needs Triton.
+            if not self.on_gpu:
+                raise ValueError(
+                    "actor_rollout_ref.actor.router_replay.mode=R3 needs the experts vLLM chose, which vLLM "
+                    "captures only on GPU (its V2 model runner needs Triton); use mode=R2 on CPU"
+                )
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(rollout.engine_kwargs)
         self.llm = LLM(**kwargs)
         self.sleeping = False
@@ -351,7 +363,7 @@ class VLLMEngine:
             if row_images:
                 request["multi_modal_data"] = {"image": row_images}
         outputs = self.llm.generate(requests, [params(i) for i in range(len(requests))], use_tqdm=False)
-        responses, log_probs = [], []
+        responses, log_probs, routes = [], [], []
         for out in outputs:
             if len(out.outputs) != sampling.n:
                 raise RuntimeError(
@@ -361,9 +373,16 @@ class VLLMEngine:
                 ids = list(sample.token_ids)
                 responses.append(ids)
                 log_probs.append([step[tok].logprob for tok, step in zip(ids, sample.logprobs or [])])
-        return assemble_rollout(
+                routes.append(sample.routed_experts)
+        batch = assemble_rollout(
             prompts, responses, log_probs, sampling.n, sampling.response_length, self.pad_token_id
         )
+        if self.return_routed_experts:
+            lengths = [n for n in lengths for _ in range(sampling.n)]
+            width = prompts["input_ids"].shape[1]
+            # The actor replays them (models.routing_replay).
+            batch["routed_experts"] = assemble_routes(routes, lengths, width, sampling.response_length)
+        return batch
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

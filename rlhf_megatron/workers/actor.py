@@ -26,6 +26,7 @@ from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
@@ -81,8 +82,11 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             total_steps=self.context.total_steps,
             variable_seq_lengths=arc.actor.use_dynamic_bsz and parallel.pipeline_model_parallel_size > 1,
             freeze_vision_tower=arc.model.freeze_vision_tower,
+            routing_replay=arc.actor.router_replay.mode != "disabled",
         )
         self.engines = {"actor": self.actor}
+        self._recorded_routes: tuple[torch.Tensor, torch.Tensor] | None = None
+        """R2: (input_ids, routed_experts) of the last old-log-prob pass, kept on this rank."""
         if self.context.plan.ref:
             self.ref = MegatronEngine(self.arch, parallel, self.path, arc.ref.megatron)
         self._init_rollout()
@@ -98,7 +102,10 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             trust_remote_code=arc.model.trust_remote_code,
         )
         engine_args = (
-            {"tensor_parallel_size": self.rollout_tp}
+            {
+                "tensor_parallel_size": self.rollout_tp,
+                "return_routed_experts": arc.actor.router_replay.mode == "R3",
+            }
             if rollout.name == "vllm"
             else {"eos_token_id": tok.eos_token_id}
         )
@@ -186,7 +193,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
 
         return fn
 
-    def _forward_log_probs(self, engine: MegatronEngine, batch: Batch):
+    def _forward_log_probs(self, engine: MegatronEngine, batch: Batch, extra_keys: tuple[str, ...] = ()):
         rollout = self.section.rollout
         max_tokens = rollout.log_prob_max_token_len_per_gpu if rollout.log_prob_use_dynamic_bsz else None
         return self.forward_rows(
@@ -195,14 +202,58 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             self._log_prob_fn(),
             rollout.log_prob_micro_batch_size_per_gpu,
             max_tokens,
-            extra_keys=("responses",),
+            extra_keys=("responses", *extra_keys),
         )
 
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs`` [B, R] of the current actor. (No entropy: the update pass logs it, and
-        over a real vocabulary it costs as much as the log-probs.)"""
-        out = self._forward_log_probs(self.actor, batch)
+        over a real vocabulary it costs as much as the log-probs.) Routing replay: R3 replays the
+        rollout's ``routed_experts``; R2 records this pass's choices for the updates."""
+        mode = self.section.actor.router_replay.mode
+        if mode == "R3":
+            self._require_routes(batch, "compute_log_prob")
+            out = self._forward_log_probs(self.actor, batch, (ROUTES_KEY,))
+        elif mode == "R2":
+            self.actor.routing.recording = True
+            try:
+                out = self._forward_log_probs(self.actor, batch)
+                routes = self.actor.routing.take_recorded(len(batch))
+            finally:
+                self.actor.routing.recording = False
+                self.actor.routing.discard_recorded()
+            self._recorded_routes = (batch["input_ids"].clone(), routes)
+        else:
+            out = self._forward_log_probs(self.actor, batch)
         return None if out is None else Batch.from_dict({"old_log_probs": out["log_probs"]})
+
+    def _require_routes(self, batch: Batch, method: str) -> None:
+        if ROUTES_KEY not in batch:
+            raise ValueError(
+                f"[actor] rank {self.rank} {method}: router_replay.mode=R3 needs the rollout's {ROUTES_KEY!r} "
+                f"in the batch; it has {sorted(batch.keys())}"
+            )
+
+    def _routes_for_update(self, batch: Batch) -> Batch:
+        """The batch with the routes the update replays (R2: recorded by ``compute_log_prob``)."""
+        mode = self.section.actor.router_replay.mode
+        if mode == "R3":
+            self._require_routes(batch, "update_actor")
+        if mode != "R2":
+            return batch
+        if self._recorded_routes is None:
+            raise RuntimeError(
+                f"[actor] rank {self.rank} update_actor: router_replay.mode=R2 replays the routes of "
+                "compute_log_prob, which has not run on this batch"
+            )
+        input_ids, routes = self._recorded_routes
+        self._recorded_routes = None
+        if input_ids.shape != batch["input_ids"].shape or not torch.equal(input_ids, batch["input_ids"]):
+            raise RuntimeError(
+                f"[actor] rank {self.rank} update_actor: router_replay.mode=R2 got other rows than "
+                "compute_log_prob recorded routes for; both must see the same batch on each rank"
+            )
+        batch = batch.union(Batch.from_dict({ROUTES_KEY: routes}))
+        return batch
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         """``ref_log_probs`` [B, R] of the reference policy."""
@@ -265,6 +316,9 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         fault_point("actor.update", step=self.updates + 1, rank=self.rank, batch=batch)
         actor = self.section.actor
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
+        if actor.router_replay.mode != "disabled":
+            batch = self._routes_for_update(batch)
+            keys = (*keys, ROUTES_KEY)
         metrics = self.train_ppo_epochs(self.actor, batch, keys, self._policy_loss_fn(), actor, step)
         self.weights_stale = True
         return metrics

@@ -61,7 +61,8 @@ class CriticWorker(MegatronRoleWorker):
         critic = self.section
 
         def values_fn(values, micro):
-            return {"values": _response_values(values, micro).detach()}
+            # zero past each response's end whatever the micro-batch's width was, as verl's critic gives them
+            return {"values": (_response_values(values, micro) * micro["response_mask"]).detach()}
 
         out = self.forward_rows(
             self.critic,
@@ -69,7 +70,7 @@ class CriticWorker(MegatronRoleWorker):
             values_fn,
             critic.forward_micro_batch_size_per_gpu or critic.ppo_micro_batch_size_per_gpu,
             critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else None,
-            extra_keys=("responses",),
+            extra_keys=("responses", "response_mask"),
         )
         return None if out is None else Batch.from_dict({"values": out["values"]})
 

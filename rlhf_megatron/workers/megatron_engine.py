@@ -42,6 +42,7 @@ from rlhf_megatron.data.multimodal import concat_vision_inputs
 from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode
+from rlhf_megatron.models.routing_replay import RoutingReplay
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -108,7 +109,9 @@ def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str,
     dropped column is masked for every query, and positions are relative (RoPE) or carried in
     ``position_ids`` (M-RoPE). Only the model inputs are cut; per-token tensors keep their
     full response width ``R`` and ``micro["_response_width"]`` says how many response columns
-    the model sees (the loss functions pad their results back to ``R``). ``multiple``: the
+    the model sees (the loss functions pad their results back to ``R``); ``micro["_columns"]``
+    is ``[left, right, S]``, the columns kept of the ``S`` there were (routing replay maps
+    its per-column routes with it). ``multiple``: the
     width stays a multiple of it (sequence parallelism needs a multiple of the TP size).
     """
     mask = micro["attention_mask"]
@@ -128,6 +131,7 @@ def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str,
         left = max(0, right - -(-(right - left) // multiple) * multiple)
     for key in MODEL_KEYS:
         out[key] = micro[key][..., left:right]  # position_ids may be [b, 3, S] (M-RoPE)
+    out["_columns"] = torch.tensor([left, right, width])
     return out
 
 
@@ -175,12 +179,14 @@ class MegatronEngine:
         total_steps: int = 1,
         variable_seq_lengths: bool = False,
         freeze_vision_tower: bool = False,
+        routing_replay: bool = False,
     ):
         """A model from ``hf_path`` laid out per ``parallel``; trained with ``optim`` (its
         schedule spanning ``total_steps``), or frozen when ``optim`` is None. ``megatron``
         gives the dtype, recomputation and the distributed-optimizer switch;
         ``freeze_vision_tower`` keeps a vision-language model's tower out of training (no
-        gradients, no optimizer state)."""
+        gradients, no optimizer state); ``routing_replay`` builds a mixture-of-experts model
+        whose routers can record and replay their choices (``self.routing``)."""
         from rlhf_megatron.models.loader import load_hf_weights
 
         self.arch = arch
@@ -195,6 +201,8 @@ class MegatronEngine:
                 overrides["recompute_num_layers"] = megatron.recompute_num_layers or 1
         if variable_seq_lengths:
             overrides["variable_seq_lengths"] = True
+        if routing_replay:
+            overrides["moe_enable_routing_replay"] = True
         self.chunks = build_gpt_model(
             arch,
             parallel,
@@ -213,6 +221,8 @@ class MegatronEngine:
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
                 chunk.eval()
+        # after the DDP wrapping: the schedule hands ``step`` the chunks as wrapped
+        self.routing = self._routing_replay() if routing_replay else None
 
     # ------------------------------------------------------------------ training set-up
     def _buffers(self) -> list:
@@ -279,6 +289,19 @@ class MegatronEngine:
         )
         self.scheduler.step(0)
 
+    def _routing_replay(self) -> RoutingReplay:
+        from megatron.core import parallel_state as ps
+
+        return RoutingReplay(
+            self.chunks,
+            self.arch.num_layers,
+            self.arch.moe.top_k,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=self.parallel.tensor_model_parallel_size,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            sequence_parallel=self.parallel.sequence_parallel,
+        )
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
@@ -293,6 +316,8 @@ class MegatronEngine:
         def step(data_iter, chunk):
             micro = next(data_iter)
             images = {k: micro[k] for k in ("pixel_values", "image_grid_thw") if k in micro}
+            if self.routing is not None:
+                self.routing.before_forward(chunk, micro)
             output = model_forward(
                 chunk,
                 micro["input_ids"],
@@ -301,6 +326,8 @@ class MegatronEngine:
                 self.arch.sliding_window,
                 **images,
             )
+            if self.routing is not None:
+                self.routing.after_forward(chunk, micro)
             return output, lambda out: loss_fn(out.squeeze(-1) if out.shape[-1] == 1 else out, micro)
 
         # Trim padding columns when every micro-batch may have its own width: always without

@@ -21,6 +21,7 @@ only place a worker touches them is through ``platform``), builds
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -35,7 +36,8 @@ from rlhf_megatron.config.model_arch import HeadKind, ModelArch
 from rlhf_megatron.config.schema import MegatronConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.builder import ParallelConfig
-from rlhf_megatron.platform import init_model_parallel, is_cuda
+from rlhf_megatron.models.moe import ExpertLoadRecorder
+from rlhf_megatron.platform import ParallelGroups, init_model_parallel, is_cuda
 from rlhf_megatron.workers.base import Worker
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
 
@@ -166,18 +168,13 @@ class MegatronRoleWorker(Worker):
             )
         max_tokens = role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else None
         records: dict[str, list[float]] = {}
-        nan_skipped = 0
         seed = self.context.seeds.minibatch_shuffle(self.role, step, role_cfg.data_loader_seed)
         generator = torch.Generator().manual_seed(seed)
         where = f"[{self.role}] rank {self.rank} step {step}"
-        for _ in range(role_cfg.ppo_epochs):
-            order = (
-                torch.randperm(len(batch), generator=generator)
-                if role_cfg.shuffle
-                else torch.arange(len(batch))
-            )
-            for start in range(0, len(batch), mini_rows):
-                mini = batch[order[start : start + mini_rows]]
+        load = ExpertLoadRecorder(engine.chunks) if engine.arch.moe is not None else contextlib.nullcontext()
+        nan_skipped = 0
+        with load:
+            for mini in self._mini_batches(batch, role_cfg, mini_rows, generator):
                 micros = split_micro_batches(mini, keys, role_cfg.ppo_micro_batch_size_per_gpu, max_tokens)
                 result = engine.train_step(micros, loss_fn, self.context.nan_policy, where)
                 for m in result["metrics"]:
@@ -186,11 +183,61 @@ class MegatronRoleWorker(Worker):
                 records.setdefault(f"{self.role}/grad_norm", []).append(result["grad_norm"])
                 records.setdefault(f"{self.role}/update_ok", []).append(float(result["update_ok"]))
                 nan_skipped += result["nan_skipped"]
+                if "moe_aux_loss" in result:  # summed over the sparse layers, coefficient divided out
+                    records.setdefault(f"{self.role}/moe_aux_loss", []).append(
+                        sum(result["moe_aux_loss"].values())
+                    )
         metrics = {k: sum(v) / len(v) for k, v in records.items()}
         metrics[f"{self.role}/lr"] = engine.lr
         metrics[f"{self.role}/nan_skipped"] = float(nan_skipped)
+        if engine.arch.moe is not None:
+            metrics.update(self._expert_load_metrics(engine, load))
         self.updates += 1
         return metrics
+
+    @staticmethod
+    def _mini_batches(batch: Batch, role_cfg, mini_rows: int, generator: torch.Generator):
+        """``ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_rows`` (shuffled per epoch)."""
+        for _ in range(role_cfg.ppo_epochs):
+            order = (
+                torch.randperm(len(batch), generator=generator)
+                if role_cfg.shuffle
+                else torch.arange(len(batch))
+            )
+            for start in range(0, len(batch), mini_rows):
+                yield batch[order[start : start + mini_rows]]
+
+    def _expert_load_metrics(self, engine: MegatronEngine, load: ExpertLoadRecorder) -> dict[str, float]:
+        """Per sparse layer, the busiest and idlest expert's share of the tokens relative to an
+        even split (1.0 = balanced), over the whole update and all data-parallel ranks; plus their
+        means over the layers. A collective over the role's data-parallel and pipeline groups (and
+        tensor-parallel group under sequence parallelism, where each TP rank routes a share of the tokens)."""
+        groups = ParallelGroups.current()
+        experts = engine.arch.moe.num_experts
+        counts = torch.zeros(engine.arch.num_layers, experts, dtype=torch.float64)
+        for layer, c in load.counts.items():
+            counts[layer] = c.to(torch.float64)
+        counts = counts.to(next(engine.chunks[0].parameters()).device)  # NCCL reduces device tensors
+        torch.distributed.all_reduce(counts, group=groups.dp_group)
+        if engine.parallel.sequence_parallel and len(groups.tp_ranks) > 1:  # each TP rank routed its share
+            torch.distributed.all_reduce(counts, group=groups.tp_group)
+        if len(groups.pp_ranks) > 1:
+            torch.distributed.all_reduce(counts, group=groups.pp_group)
+        counts = counts.cpu()
+        out: dict[str, float] = {}
+        highs, lows = [], []
+        for layer in engine.arch.moe.moe_layers:
+            total = counts[layer].sum()
+            if total == 0:
+                continue
+            share = counts[layer] * experts / total
+            highs.append(float(share.max()))
+            lows.append(float(share.min()))
+            out[f"{self.role}/moe_expert_load_max/layer_{layer}"] = highs[-1]
+        if highs:
+            out[f"{self.role}/moe_expert_load_max"] = sum(highs) / len(highs)
+            out[f"{self.role}/moe_expert_load_min"] = sum(lows) / len(lows)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, ckpt_dir: str) -> None:

@@ -264,6 +264,12 @@ CASES = {
         [*MOE_ARCH, f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cpu"],
         ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 trains the mixture-of-experts"],
     ),
+    V.check_router_replay: (
+        [f"{A}.router_replay.mode=R2"],
+        [
+            "actor_rollout_ref.actor.router_replay.mode=R2 replays mixture-of-experts routing; this model has no experts"
+        ],
+    ),
 }
 
 
@@ -418,3 +424,24 @@ def test_model_arch_that_matches_the_checkpoint_passes(tmp_path):
         architectures=["LlamaForCausalLM"],
     )
     assert _errors(f"actor_rollout_ref.model.path={model}") == []
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.device=cpu", f"{A}.router_replay.mode=R3"], "captures only on GPU"),
+        (
+            [f"{A}.router_replay.mode=R2", f"{A}.megatron.recompute_granularity=full"],
+            "recompute_granularity=full",
+        ),
+        ([f"{A}.router_replay.mode=R2", f"{A}.megatron.context_parallel_size=2"], "context_parallel_size=2"),
+        ([f"{A}.router_replay.mode=R4"], "router_replay.mode"),
+    ],
+)
+def test_router_replay_is_refused_where_it_cannot_work(overrides, expected):
+    errors = _errors(*MOE_ARCH, *overrides)
+    assert any(expected in e for e in errors), errors
+
+
+def test_router_replay_r2_on_a_moe_model_is_valid():
+    assert _errors(*MOE_ARCH, f"{A}.router_replay.mode=R2", "trainer.device=cpu") == []

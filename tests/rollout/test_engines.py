@@ -158,3 +158,24 @@ def test_sampling_from_the_rollout_section_applies_val_kwargs_and_greedy():
     assert (train.n, train.temperature, train.greedy) == (4, 0.7, False)
     assert (val.n, val.greedy, val.response_length) == (1, True, 16)  # greedy: one answer whatever n says
     assert (greedy.n, greedy.greedy, greedy.seed) == (1, True, 5)
+
+
+def test_assemble_routes_aligns_engine_routes_with_the_input_columns():
+    import numpy as np
+
+    from rlhf_megatron.rollout.base import assemble_routes
+
+    layers, k = 3, 2
+    # row 0: a 2-token prompt and 3 response tokens of which the engine fed back 2 (4 routed tokens);
+    # row 1: a 4-token prompt whose response ran to the full length (and beyond what fits)
+    r0 = np.arange(4 * layers * k).reshape(4, layers, k)
+    r1 = 100 + np.arange(8 * layers * k).reshape(8, layers, k)
+    out = assemble_routes([r0, r1], [2, 4], prompt_width=4, response_length=3)
+    assert out.shape == (2, 7, layers, k) and out.dtype == torch.int16
+    assert (out[0, :2] == -1).all() and (out[0, 6:] == -1).all()
+    assert torch.equal(out[0, 2:6], torch.as_tensor(r0, dtype=torch.int16))
+    assert torch.equal(out[1], torch.as_tensor(r1[:7], dtype=torch.int16))
+    with pytest.raises(ValueError, match="no expert routes for row 1"):
+        assemble_routes([r0, None], [2, 4], 4, 3)
+    with pytest.raises(ValueError, match="2 route arrays for 3 rollout rows"):
+        assemble_routes([r0, r1], [2, 4, 1], 4, 3)

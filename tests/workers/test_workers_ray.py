@@ -6,7 +6,7 @@
   actor's Megatron log-probs; after an actor update they differ from the old
   ones and a new sync makes them equal again (no stale weights).
 - Critic values at TP=2 equal the single-process value computed from the
-  same weights.
+  same weights on every response token, and are zero past a response's end.
 """
 
 import warnings
@@ -179,7 +179,11 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
         values = group.call("compute_values", batch, dispatch="dp_compute")["values"]
         assert values.shape == (4, RESPONSE_LEN) and torch.isfinite(values).all()
         single = _single_process_values(tiny, batch)
-        torch.testing.assert_close(values, single, atol=1e-4, rtol=1e-4)
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(values[mask], single[mask], atol=1e-4, rtol=1e-4)
+        assert (values[~mask] == 0).all(), (
+            "values past a response's end must be zero, as verl's critic gives them"
+        )
         batch = batch.union(values_batch(batch, values))
         metrics = group.call("update_critic", batch, dispatch="dp_compute")
         assert torch.isfinite(torch.tensor(metrics[0]["critic/vf_loss"]))
