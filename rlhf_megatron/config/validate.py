@@ -641,28 +641,32 @@ def check_expert_parallel(ctx: ValidationContext) -> list[str]:
 
 
 def check_moe_training_layout(ctx: ValidationContext) -> list[str]:
-    """A trained mixture-of-experts role with TP > 1 needs sequence parallelism, which needs
-    transformer-engine (GPU); and vLLM's TP must split each expert evenly for the sharded format."""
+    """A trained mixture-of-experts role with TP > 1 needs sequence parallelism; on CPU (gloo) its
+    experts must not be split over TP ranks too (ETP > 1 gathers uneven token counts, which gloo
+    cannot); and vLLM's TP must split each expert evenly for the sharded format."""
     out = []
     cpu = ctx.get("trainer.device") == "cpu"
     for role, section in _trained_roles(ctx):
         arch, source = ctx.archs[role]
         m = megatron_section(ctx.cfg, role)
         tp = m.tensor_model_parallel_size
-        if arch is None or arch.moe is None or tp == 1 or (m.sequence_parallel and not cpu):
+        if arch is None or arch.moe is None or tp == 1:
             continue
-        why = (
-            "trainer.device=cpu (sequence parallelism needs transformer-engine)"
-            if cpu
-            else "sequence_parallel=false"
-        )
-        out.append(
-            f"{section}.megatron.tensor_model_parallel_size={tp} trains the mixture-of-experts {arch.architecture} "
-            f"({source}) only with sequence parallelism, but {why}: without it every TP rank routes the same "
-            "tokens and the experts' gradients count each token once per rank. Set tensor_model_parallel_size=1 "
-            "and split the experts with expert_model_parallel_size / expert_tensor_parallel_size"
-            + ("" if cpu else ", or set sequence_parallel=true")
-        )
+        if not m.sequence_parallel:
+            out.append(
+                f"{section}.megatron.tensor_model_parallel_size={tp} trains the mixture-of-experts "
+                f"{arch.architecture} ({source}) only with sequence parallelism, but sequence_parallel=false: "
+                "without it every TP rank routes the same tokens and the experts' gradients count each token "
+                "once per rank. Set sequence_parallel=true, or tensor_model_parallel_size=1 and split the "
+                "experts with expert_model_parallel_size / expert_tensor_parallel_size"
+            )
+        etp = m.expert_tensor_parallel_size or tp
+        if cpu and etp > 1:
+            out.append(
+                f"{section}.megatron.expert_tensor_parallel_size={etp} (unset means the TP size) splits each "
+                "expert over TP ranks, whose token exchange gloo cannot do (uneven all-gather) with "
+                "trainer.device=cpu; set expert_tensor_parallel_size=1"
+            )
     arch, source = ctx.archs["actor"]
     tp = ctx.get(f"{ROLLOUT}.tensor_model_parallel_size")
     sharded = ctx.get(f"{ROLLOUT}.load_format") == "sharded"

@@ -9,7 +9,8 @@ vision tower on the first chunk of the first stage. A mixture-of-experts model's
 parallelism, see ``moe.py``) where its HF config has sparse layers. Either way megatron's DDP,
 optimizers, schedules and distributed checkpointing apply unchanged. Layer
 implementations are chosen here (and, for the tower, in ``vision.py``):
-transformer-engine modules on GPU, megatron's local (pure PyTorch) modules on CPU.
+transformer-engine modules on GPU, megatron's local (pure PyTorch) modules on CPU, whose
+norms ``norms.py`` makes sequence-parallel.
 
 The caller sets up parallelism first (``platform.init_model_parallel``) and
 passes the same sizes in ``ParallelConfig``; the builder checks they agree, so
@@ -31,12 +32,19 @@ from megatron.core.transformer import TransformerConfig
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
+from rlhf_megatron.models.norms import with_sequence_parallel_norms
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
 from rlhf_megatron.models.vision_language import VisionLanguageModel
 from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
 from rlhf_megatron.platform import is_cuda
 
-__all__ = ["ParallelConfig", "build_gpt_model", "build_transformer_config", "use_transformer_engine"]
+__all__ = [
+    "ParallelConfig",
+    "build_gpt_model",
+    "build_transformer_config",
+    "mark_tensor_parallel_weights",
+    "use_transformer_engine",
+]
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Ranks that split the sequence for attention (needs transformer-engine, GPU only)."""
     sequence_parallel: bool = False
-    """Split activations outside attention/MLP along the sequence over TP ranks (GPU only)."""
+    """Split activations outside attention/MLP along the sequence over TP ranks (on CPU with
+    ``norms.SequenceParallelTorchNorm``)."""
     expert_model_parallel_size: int = 1
     """Ranks that split a mixture-of-experts layer's experts (EP); 1 for dense models."""
     expert_tensor_parallel_size: int | None = None
@@ -125,11 +134,6 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"{arch.architecture}: {arch.num_layers} layers do not split evenly over PP={pp} x VPP={vpp or 1}"
-        )
-    if not use_te and parallel.sequence_parallel:
-        raise ValueError(
-            "sequence_parallel needs transformer-engine layers (GPU): megatron's local layer spec uses "
-            "torch norms that do not support it; set sequence_parallel=False on CPU"
         )
     if not use_te and parallel.context_parallel_size > 1:
         raise ValueError("context_parallel_size > 1 needs transformer-engine attention (GPU); use 1 on CPU")
@@ -238,6 +242,31 @@ def _rope_kwargs(arch: ModelArch) -> dict:
     return kwargs
 
 
+def mark_tensor_parallel_weights(module: torch.nn.Module) -> None:
+    """Give every tensor-parallel weight megatron's ``tensor_model_parallel`` / ``partition_dim``
+    attributes. megatron sets them only while initialising (``perform_initialization``), so a
+    model built with ``init_weights=False`` to be loaded from a checkpoint would lack them, and
+    megatron would then take every TP shard for a copy of one weight: the gradient norm (and
+    with it clipping) would count only TP rank 0's shards."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(m, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(m, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
 def build_gpt_model(
     arch: ModelArch,
     parallel: ParallelConfig,
@@ -274,12 +303,15 @@ def build_gpt_model(
         stage = vp_stage if vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        chunk_spec = spec
         if arch.moe is not None:  # this chunk's slice of the dense/sparse layer pattern
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            spec = moe_block_spec(config, use_te, stage, pp_rank)
+            chunk_spec = moe_block_spec(config, use_te, stage, pp_rank)
+        if not use_te and parallel.sequence_parallel:
+            chunk_spec = with_sequence_parallel_norms(chunk_spec, config, stage, pp_rank)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=chunk_spec,
             vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,
@@ -300,5 +332,7 @@ def build_gpt_model(
             model = VisionLanguageModel(arch, model, vision)
             if freeze_vision_tower:
                 freeze_vision(model)
+        if not init_weights:
+            mark_tensor_parallel_weights(model)
         chunks.append(model)
     return chunks

@@ -23,7 +23,8 @@ Patches, one by one, with the reason for each:
    likewise. ``Tensor.cuda()`` and ``Module.cuda()`` return the object itself.
    Megatron allocates parameters, buffers, pipeline receive buffers and RoPE
    frequencies directly on ``cuda``; there are too many call sites to patch one
-   by one, and a function mode catches them all in one place.
+   by one, and a function mode catches them all in one place. It stays on inside
+   ``torch.autograd.backward`` (megatron's autograd functions allocate there).
 4. ``torch.cuda.get_rng_state``, ``set_rng_state`` and ``manual_seed`` act
    on the CPU generator, and megatron's own
    ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` do
@@ -100,7 +101,33 @@ class _CpuDeviceMode(TorchFunctionMode):
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func is torch.Tensor.to and args:
             args = tuple(_to_cpu_device(a) if i > 0 else a for i, a in enumerate(args))
+        if func is torch.autograd.backward:
+            return _backward_in_mode(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _backward_in_mode(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+    """``torch.autograd.backward`` with the device mode on. A mode is off while its handler runs,
+    and torch (2.10) sends ``backward`` through the handler; but backward runs megatron's autograd
+    functions, which allocate on ``cuda`` too (e.g. the sequence-parallel linears' reduce-scatter
+    buffer). So run autograd's engine here, as ``backward`` does after its dispatch, inside the mode."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = _make_grads(
+        tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False
+    )
+    with _CpuDeviceMode():
+        _engine_run_backward(
+            tensors,
+            grads,
+            create_graph if retain_graph is None else retain_graph,
+            create_graph,
+            tuple(inputs or ()),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
 
 
 class _InertStream:

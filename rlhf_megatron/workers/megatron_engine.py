@@ -112,7 +112,9 @@ def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str,
     the model sees (the loss functions pad their results back to ``R``); ``micro["_columns"]``
     is ``[left, right, S]``, the columns kept of the ``S`` there were (routing replay maps
     its per-column routes with it). ``multiple``: the
-    width stays a multiple of it (sequence parallelism needs a multiple of the TP size).
+    width stays a multiple of it (sequence parallelism needs a multiple of the TP size), by
+    keeping prompt padding, else trailing response padding; a batch whose full width is not a
+    multiple stays as wide as it is (``MegatronEngine.run`` refuses it).
     """
     mask = micro["attention_mask"]
     width = mask.shape[1]
@@ -128,7 +130,11 @@ def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str,
         out["_response_width"] = kept
     left = min(left, right - 1)
     if multiple > 1:
-        left = max(0, right - -(-(right - left) // multiple) * multiple)
+        left = right - -(-(right - left) // multiple) * multiple
+        if left < 0:  # not enough prompt padding: keep more (padding) response columns instead
+            right, left = min(width, right - left), 0
+            if "_response_width" in out:
+                out["_response_width"] = right - (width - micro["responses"].shape[1])
     for key in MODEL_KEYS:
         out[key] = micro[key][..., left:right]  # position_ids may be [b, 3, S] (M-RoPE)
     out["_columns"] = torch.tensor([left, right, width])
@@ -154,14 +160,13 @@ def pad_responses(values: torch.Tensor, micro: dict[str, torch.Tensor]) -> torch
 def _check_moe_training(arch: ModelArch, parallel: ParallelConfig) -> None:
     """megatron trains MoE layers under TP only with sequence parallelism: without it every TP
     rank routes the same tokens and the experts' gradients count each token once per rank
-    (megatron refuses in its MoE layer's forward). Sequence parallelism needs transformer-engine."""
+    (megatron refuses in its MoE layer's forward)."""
     tp = parallel.tensor_model_parallel_size
     if tp > 1 and not parallel.sequence_parallel:
         raise ValueError(
             f"{arch.architecture}: training a mixture-of-experts model with tensor_model_parallel_size={tp} "
-            "needs sequence_parallel=true, which needs transformer-engine (GPU). On CPU set the role's "
-            "megatron.tensor_model_parallel_size=1 and split the experts with expert_model_parallel_size "
-            "(and expert_tensor_parallel_size) instead"
+            "needs the role's megatron.sequence_parallel=true (or tensor_model_parallel_size=1, splitting "
+            "the experts with expert_model_parallel_size instead)"
         )
 
 
@@ -345,6 +350,15 @@ class MegatronEngine:
                 f"micro-batches, got {len(micro_batches)}; change the micro-batch size"
             )
         seq = micro_batches[0]["input_ids"].shape[1]
+        if self.parallel.sequence_parallel:
+            tp = self.parallel.tensor_model_parallel_size
+            odd = sorted({m["input_ids"].shape[1] for m in micro_batches if m["input_ids"].shape[1] % tp})
+            if odd:
+                raise ValueError(
+                    f"sequence parallelism splits every sequence over TP={tp} ranks, but this batch is {odd[0]} "
+                    f"columns wide; make data.max_prompt_length + data.max_response_length a multiple of {tp} "
+                    "or set the role's megatron.sequence_parallel=false"
+                )
         mbs = max(m["input_ids"].shape[0] for m in micro_batches)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
         moe_eval = eval_mode(self.chunks) if forward_only and self.arch.moe else contextlib.nullcontext()

@@ -37,7 +37,7 @@ from rlhf_megatron.config.schema import MegatronConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.moe import ExpertLoadRecorder
-from rlhf_megatron.platform import ParallelGroups, init_model_parallel, is_cuda
+from rlhf_megatron.platform import ParallelGroups, init_model_parallel
 from rlhf_megatron.workers.base import Worker
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
 
@@ -45,11 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def parallel_config(megatron: MegatronConfig) -> ParallelConfig:
-    """The model-parallel layout of a role's ``megatron`` section (SP only where it can run)."""
+    """The model-parallel layout of a role's ``megatron`` section (SP needs TP > 1)."""
     sp = megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1
-    if sp and not is_cuda():
-        logger.info("sequence_parallel needs transformer-engine kernels; off on CPU")
-        sp = False
     return ParallelConfig(
         tensor_model_parallel_size=megatron.tensor_model_parallel_size,
         pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,

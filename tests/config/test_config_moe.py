@@ -169,12 +169,24 @@ def test_expert_layout_errors_name_keys_values_and_the_fix():
 
 def test_tp_training_of_moe_needs_sequence_parallelism():
     tp2 = ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]
-    msg = _errors(*MOE_ARCH, *tp2, "trainer.device=cpu")
-    assert "tensor_model_parallel_size=2 trains the mixture-of-experts Qwen3MoeForCausalLM" in msg
-    assert "trainer.device=cpu" in msg and "expert_model_parallel_size" in msg
     msg = _errors(*MOE_ARCH, *tp2, "actor_rollout_ref.actor.megatron.sequence_parallel=false")
-    assert "or set sequence_parallel=true" in msg
+    assert "tensor_model_parallel_size=2 trains the mixture-of-experts Qwen3MoeForCausalLM" in msg
+    assert "Set sequence_parallel=true" in msg and "expert_model_parallel_size" in msg
     validate_config(make_cfg(*MOE_ARCH, *tp2))  # on GPU, with sequence parallelism (the default)
+    # on CPU too, with the experts whole on each rank (gloo cannot gather uneven token counts)
+    msg = _errors(*MOE_ARCH, *tp2, "trainer.device=cpu")
+    assert (
+        "expert_tensor_parallel_size=2 (unset means the TP size)" in msg
+        and "set expert_tensor_parallel_size=1" in msg
+    )
+    validate_config(
+        make_cfg(
+            *MOE_ARCH,
+            *tp2,
+            "trainer.device=cpu",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+        )
+    )
     msg = _errors(*MOE_ARCH, "actor_rollout_ref.rollout.load_format=sharded",
                   "actor_rollout_ref.rollout.tensor_model_parallel_size=4")  # fmt: skip
     assert "rollout.tensor_model_parallel_size=4 must divide moe_intermediate_size=98" in msg

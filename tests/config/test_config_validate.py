@@ -261,7 +261,7 @@ CASES = {
         ],
     ),
     V.check_moe_training_layout: (
-        [*MOE_ARCH, f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cpu"],
+        [*MOE_ARCH, f"{A}.megatron.tensor_model_parallel_size=2", f"{A}.megatron.sequence_parallel=false"],
         ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 trains the mixture-of-experts"],
     ),
     V.check_router_replay: (

@@ -7,6 +7,8 @@ dense layer among sparse ones) and Mixtral:
 - fp32 logits equal transformers' within 1e-5 relative at EP1, EP2, TP2 x EP2 and EP2 x PP2
   (plus expert tensor parallelism at EP2 x ETP2 and TP2 x EP2 x ETP1 for Qwen3-MoE), on a
   left-padded batch; the expert load the routers report equals transformers' top-k choices;
+- sequence parallelism (TP2 x EP2, TP2 x PP2 x EP2 for Qwen3-MoE) gives the same logits, and a
+  training step at TP2 x EP2 with it the same loss and untouched-by-TP weights as EP1;
 - a training step (loss with the load-balancing loss, backward, Adam) at EP2 and EP4 gives
   the loss, the gradients and the updated weights of EP1 (the weights wherever Adam's first
   step is well conditioned: its ``g / (|g| + eps)`` turns the rounding of gradients within
@@ -27,7 +29,10 @@ from . import tiny_moe
 REL_TOL = 1e-5
 FORWARD_LAYOUTS = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 2, None), (1, 2, 2, None)]  # (tp, pp, ep, etp)
 ETP_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 1)]
+SP_LAYOUTS = [(2, 1, 2, 1, "sp"), (2, 2, 2, 1, "sp")]  # sequence parallelism (models/norms.py on CPU)
 TRAIN_EP = (1, 2, 4)
+TRAIN_TP_SP = "tp2ep2sp"  # TP2 x EP2 with sequence parallelism: DP 2, four rows per rank
+TP_SPLIT = ("word_embeddings", "output_layer", "self_attention.linear_", "mlp.linear_fc", "shared_experts")
 LR, ADAM_EPS = 1e-3, 1e-8  # megatron's default adam_eps
 
 
@@ -44,14 +49,22 @@ def _forward(case):
     arch = ModelArch.from_hf_dir(case["hf_dir"])
     ids, mask, pos = case["batch"]
     rows = []
-    for tp, pp, ep, etp in case["layouts"]:
+    for layout in case["layouts"]:
+        tp, pp, ep, etp, *sp = layout
         init_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
-        parallel = ParallelConfig(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        parallel = ParallelConfig(
+            tp, pp, sequence_parallel=bool(sp), expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        )
         chunks = build_gpt_model(arch, parallel, init_weights=False)
         load_hf_weights(chunks, case["hf_dir"], arch)
         with ExpertLoadRecorder(chunks) as load:
             out = forward_logits_or_values(chunks, ids, mask, pos)
-        row = {"name": case["name"], "layout": (tp, pp, ep, etp), "load": load.counts}
+        row = {
+            "name": case["name"],
+            "layout": layout,
+            "load": load.counts,
+            "rank": torch.distributed.get_rank(),
+        }
         if out is not None:
             full = gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size]
             ref, valid = case["ref"], mask.bool()
@@ -84,32 +97,50 @@ def _train(case, rank):
         return loss * micro["_weight"], {"loss": loss.item()}
 
     out = {}
-    for ep in TRAIN_EP:
-        info = init_model_parallel(1, 1, expert_model_parallel_size=ep, seed=3)
+    for key in (*TRAIN_EP, TRAIN_TP_SP):
+        tp, ep = (2, 2) if key == TRAIN_TP_SP else (1, key)
+        etp = 1  # the experts whole on each EP rank, as on CPU (see test_training_step_at_tp2_ep2_...)
+        info = init_model_parallel(
+            tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, seed=3
+        )
         # The plain optimizer leaves every DP rank the whole reduced gradient to compare.
         megatron = MegatronConfig(
-            params_dtype="float32", expert_model_parallel_size=ep, use_distributed_optimizer=False
+            params_dtype="float32",
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
+            use_distributed_optimizer=False,
         )
         engine = MegatronEngine(
             arch,
-            ParallelConfig(expert_model_parallel_size=ep),
+            ParallelConfig(
+                tp, sequence_parallel=tp > 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+            ),
             case["hf_dir"],
             megatron,
             OptimConfig(lr=LR),
         )
-        micros = split_micro_batches(batch, ("input_ids", "attention_mask", "position_ids"), 1)
+        mine = batch
+        if tp > 1:  # DP = 2: this rank's TP group takes the rows of two TP=1 ranks
+            dp = rank // tp
+            names = ("input_ids", "attention_mask", "position_ids")
+            mine = Batch.from_dict({k: v[4 * dp : 4 * dp + 4] for k, v in zip(names, (ids, mask, pos))})
+        micros = split_micro_batches(mine, ("input_ids", "attention_mask", "position_ids"), 1)
         result = engine.train_step(micros, loss_fn)
         params = {
             local_to_global_expert(n, arch.moe.num_experts, info.ep_rank, ep): p
             for n, p in unwrap_model(engine.chunks[0]).named_parameters()
         }
-        out[ep] = {
+        out[key] = {
             "losses": [m["loss"] for m in result["metrics"]],
             "aux": result["moe_aux_loss"],
             "coeff": result["moe_aux_loss_coeff"],
             "update_ok": result["update_ok"],
+            "grad_norm": result["grad_norm"],
             "weights": {n: p.detach().clone() for n, p in params.items()},
             "grads": {n: p.main_grad.detach().clone() for n, p in params.items()},
+            "tp_split": {n for n in params if tp > 1 and any(part in n for part in TP_SPLIT)},
         }
     return out
 
@@ -130,7 +161,7 @@ def results(tmp_path_factory):
         model = tiny_moe.load_hf(hf_dir)
         batch = tiny_moe.padded_batch(model.config.vocab_size)
         logits, router = tiny_moe.hf_outputs(model, *batch)
-        layouts = FORWARD_LAYOUTS + (ETP_LAYOUTS if family == "qwen3_moe" else [])
+        layouts = FORWARD_LAYOUTS + (ETP_LAYOUTS + SP_LAYOUTS if family == "qwen3_moe" else [])
         forward.append(
             {"name": family, "hf_dir": str(hf_dir), "batch": batch, "ref": logits, "layouts": layouts}
         )
@@ -159,7 +190,7 @@ def _moe_layers(family):
 def test_logits_match_transformers_at_ep1_ep2_tp2ep2_ep2pp2(results, family):
     rows = [r for r in results["forward"] if r["name"] == family]
     with_logits = {r["layout"] for r in rows if "rel_err" in r}
-    expected = FORWARD_LAYOUTS + (ETP_LAYOUTS if family == "qwen3_moe" else [])
+    expected = FORWARD_LAYOUTS + (ETP_LAYOUTS + SP_LAYOUTS if family == "qwen3_moe" else [])
     assert with_logits == set(expected)
     for r in rows:
         if "rel_err" in r:
@@ -177,7 +208,12 @@ def test_expert_load_matches_transformers_routing(results, family):
         for layer, logits in zip(_moe_layers(family), ref["router"])
     }
     seen = set()
-    for r in (r for r in results["forward"] if r["name"] == family):
+    rows = [r for r in results["forward"] if r["name"] == family]
+    for r in rows:
+        if len(r["layout"]) == 5:  # sequence parallelism: each TP rank routes its share of the tokens
+            tp = r["layout"][0]
+            group = [o for o in rows if o["layout"] == r["layout"] and o["rank"] // tp == r["rank"] // tp]
+            r = {**r, "load": {layer: sum(o["load"][layer] for o in group) for layer in r["load"]}}
         for layer, counts in r["load"].items():
             seen.add(layer)
             assert torch.equal(counts, expected[layer]), (r["layout"], layer, counts, expected[layer])
@@ -205,23 +241,59 @@ def test_training_step_at_ep2_and_ep4_equals_ep1(results, family):
     for ep in TRAIN_EP[1:]:
         other_weights, other_grads = merged(ep, "weights"), merged(ep, "grads")
         assert set(other_weights) == set(weights)
-        for name, g in grads.items():
-            scale = g.abs().max().item()
-            torch.testing.assert_close(
-                other_grads[name], g, rtol=1e-5, atol=1e-5 * scale, msg=f"EP{ep} {name}"
-            )
-            # Adam's first step moves w by lr * g / (|g| + eps) (plus decay): rounding differences
-            # between the layouts' gradients move w by at most lr * |dg| / (min |g| + eps).
-            g2, w1, w2 = other_grads[name], weights[name], other_weights[name]
-            bound = (
-                1e-6 + 1e-5 * w1.abs() + LR * (g2 - g).abs() / (torch.minimum(g.abs(), g2.abs()) + ADAM_EPS)
-            )
-            worst = ((w2 - w1).abs() - bound).max().item()
-            assert worst <= 0, (f"EP{ep}", name, worst)
+        _assert_same_step(weights, grads, other_weights, other_grads, f"EP{ep}")
     # The step moved the experts and the routers (the load-balancing loss reaches the router).
     router = results["refs"][family]["model"].state_dict()["model.layers.0.mlp.gate.weight"]
     assert not torch.equal(weights["decoder.layers.0.mlp.router.weight"], router)
     assert grads["decoder.layers.0.mlp.router.weight"].abs().max() > 0
+
+
+def _assert_same_step(weights, grads, other_weights, other_grads, where, names=None):
+    for name in names or grads:
+        g = grads[name]
+        scale = g.abs().max().item()
+        torch.testing.assert_close(
+            other_grads[name],
+            g,
+            rtol=1e-5,
+            atol=1e-5 * scale,
+            msg=f"{where} {name} {other_grads[name].norm() / g.norm()} {(other_grads[name] - g).norm() / g.norm()}",
+        )
+        # Adam's first step moves w by lr * g / (|g| + eps) (plus decay): rounding differences
+        # between the layouts' gradients move w by at most lr * |dg| / (min |g| + eps).
+        g2, w1, w2 = other_grads[name], weights[name], other_weights[name]
+        bound = 1e-6 + 1e-5 * w1.abs() + LR * (g2 - g).abs() / (torch.minimum(g.abs(), g2.abs()) + ADAM_EPS)
+        worst = ((w2 - w1).abs() - bound).max().item()
+        assert worst <= 0, (where, name, worst)
+
+
+@pytest.mark.slow
+def test_training_step_at_tp2_ep2_with_sequence_parallelism_equals_ep1(results):
+    """Sequence parallelism splits each micro-batch's tokens over the TP ranks: the norms' and
+    routers' gradients are partial per rank and must be summed (models/norms.py on CPU)."""
+    per_rank = [r["qwen3_moe"] for r in results["train"]]
+    ep1_losses = sorted(loss for runs in per_rank for loss in runs[1]["losses"])
+    sp_losses = sorted(
+        loss for runs in per_rank[::2] for loss in runs[TRAIN_TP_SP]["losses"]
+    )  # one per TP group
+    assert sp_losses == pytest.approx(ep1_losses, rel=1e-6)
+    for runs in per_rank:
+        assert runs[TRAIN_TP_SP]["update_ok"]
+        # every TP shard counted once (models.builder.mark_tensor_parallel_weights), so the norm and
+        # with it clipping are EP1's
+        assert runs[TRAIN_TP_SP]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=1e-5)
+        assert runs[TRAIN_TP_SP]["aux"] == pytest.approx(runs[1]["aux"], rel=1e-5)
+    weights, grads = {}, {}
+    for runs in per_rank:
+        weights.update(runs[1]["weights"])
+        grads.update(runs[1]["grads"])
+    for rank, runs in enumerate(per_rank):
+        mine = runs[TRAIN_TP_SP]
+        # parameters TP does not split: norms (sequence-parallel), routers, experts (ETP 1)
+        whole = [n for n in mine["weights"] if n not in mine["tp_split"]]
+        assert any("layernorm" in n for n in whole) and any("router" in n for n in whole)
+        assert any("experts" in n for n in whole), whole
+        _assert_same_step(weights, grads, mine["weights"], mine["grads"], f"TP2xEP2 SP rank {rank}", whole)
 
 
 @pytest.mark.slow

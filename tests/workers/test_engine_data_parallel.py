@@ -52,3 +52,55 @@ def test_dp2_half_batches_equal_dp1_whole_batch(tiny, dist_opt):
     for norms, params in dp:
         assert norms == pytest.approx(single_norms, rel=1e-5)
         torch.testing.assert_close(params, single_params, rtol=1e-5, atol=1e-6)
+
+
+def _train_tp(rank, world, model, sequence_parallel):
+    """Two steps of next-token loss at TP=world (the whole batch on every TP rank)."""
+    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
+    from rlhf_megatron.data.batch import Batch
+    from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.models.forward import vocab_parallel_log_probs
+    from rlhf_megatron.platform import init_model_parallel
+    from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
+
+    init_model_parallel(world, 1, seed=1)
+    arch = ModelArch.from_hf_dir(model)
+    sp = sequence_parallel and world > 1
+    megatron = MegatronConfig(params_dtype="float32", tensor_model_parallel_size=world, sequence_parallel=sp)
+    engine = MegatronEngine(
+        arch,
+        ParallelConfig(world, sequence_parallel=sp),
+        model,
+        megatron,
+        OptimConfig(lr=1e-3),
+        total_steps=10,
+    )
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+
+    def loss_fn(logits, micro):
+        logp = vocab_parallel_log_probs(logits[:, :-1], micro["input_ids"][:, 1:], arch.vocab_size)
+        loss = -logp.mean()
+        return loss * micro["_weight"], {"loss": loss.item()}
+
+    norms, losses = [], []
+    for _ in range(2):
+        micros = split_micro_batches(batch, ("input_ids", "attention_mask", "position_ids"), 2)
+        result = engine.train_step(micros, loss_fn)
+        norms.append(result["grad_norm"])
+        losses.append([m["loss"] for m in result["metrics"]])
+    return norms, losses
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_steps_like_tp1_with_the_same_gradient_norm(tiny, sequence_parallel):
+    """A model built to be loaded (no megatron initialisation) still counts every TP shard once in
+    the gradient norm (models.builder.mark_tensor_parallel_weights), with and without sequence
+    parallelism (on CPU through models.norms)."""
+    ((single_norms, single_losses),) = run_on_ranks(_train_tp, 1, tiny, False, timeout_s=300)
+    for norms, losses in run_on_ranks(_train_tp, 2, tiny, sequence_parallel, timeout_s=300):
+        assert norms == pytest.approx(single_norms, rel=1e-5)
+        for got, want in zip(losses, single_losses):
+            assert got == pytest.approx(want, rel=1e-5)

@@ -68,6 +68,9 @@ def test_trim_padding_cuts_columns_that_are_padding_in_every_row():
     assert pad_responses(response_outputs(out, trimmed), trimmed).shape == (2, 5)
     # sequence parallelism: a multiple of TP by extending into the prompt padding
     assert trim_padding(micro, multiple=4)["input_ids"].shape[1] == 8
+    # ... and where the prompt padding is not enough, into the response padding
+    wide = trim_padding(micro, multiple=5)
+    assert wide["input_ids"].shape[1] == 10 and wide["_response_width"] == 4
     # M-RoPE positions [b, 3, S] are cut along the last dim
     micro3 = {**micro, "position_ids": micro["position_ids"][:, None].expand(-1, 3, -1)}
     assert trim_padding(micro3)["position_ids"].shape == (2, 3, 7)
