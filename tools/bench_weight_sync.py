@@ -38,9 +38,30 @@ cast inside vLLM's loader; float32 (the default) keeps every side the same.
 Per-rank numbers come back under ``ranks``; the summary takes the slowest
 rank's times and the largest rank's memory. Prints ONE JSON object.
 
+``--moe`` benchmarks a random Qwen3-MoE instead (~500M parameters by default:
+the dense model's attention, layers and vocabulary, every layer sparse with
+28 experts of FFN 128, top-4, so the experts hold as many parameters as the
+dense FFN), once per ``--ep``: EP ranks (actor TP 1, each rank holding
+``experts / EP`` experts; vLLM at TP = EP, every rank holding a TP slice of
+every expert, as vLLM's own expert parallelism is off). Each run reports the
+dense run's fields plus ``ep``; at actor TP 1 nothing is gathered, so
+``gather_s`` is the experts' broadcast over the EP group (the syncer counts
+it with the gathers; ``broadcast_s`` is the pipeline's). Next to it,
+``dense_same_bytes``: a dense Llama of the same layers, hidden size, heads and
+vocabulary whose FFN width gives it the MoE's parameter count, synced on the
+same ranks the same way (actor TP 1, data-parallel over the EP ranks, vLLM at
+TP = EP), and per MoE run ``dense_total_s`` and ``ratio_to_dense`` (MoE
+``total_s`` / dense ``total_s``), which isolates what the experts cost: many
+small tensors, the EP broadcast, and vLLM's fused-expert loading. vLLM's
+CPU MoE kernel pads each rank's expert width (``--expert-ffn / EP``) to a
+multiple of 32, and its reload (``--load-format hf``) then fails on the
+padded experts, so ``hf`` runs need that width to be a multiple of 32.
+
     .venv/bin/python tools/bench_weight_sync.py --tp 1 2
     .venv/bin/python tools/bench_weight_sync.py --tp 1 2 --load-format hf sharded
     .venv/bin/python tools/bench_weight_sync.py --tp 1 --layers 4 --profile 25   # small + cProfile of rank 0
+    .venv/bin/python tools/bench_weight_sync.py --moe                    # Qwen3-MoE at EP 1 and 2, vs dense
+    .venv/bin/python tools/bench_weight_sync.py --moe --ep 2 --load-format hf sharded
 """
 
 from __future__ import annotations
@@ -58,6 +79,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+VLLM_CPU_MOE_ALIGNMENT = 32
+"""vLLM 0.32's CPU MoE kernels pad each rank's expert width to a multiple of this (``cpu_moe.py``)."""
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -83,26 +107,87 @@ def write_random_checkpoint(
     2 GB model needs about one shard of memory, not a transformers model in
     memory plus its state dict.
     """
-    import torch
+    tokenizer = _tokenizer(vocab)
+    sizes = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab)
+    config = llama_config(**sizes, dtype=dtype, tokenizer=tokenizer)
+    return _write_random_tensors(out_dir, config, tokenizer, dtype, seed, shard_bytes)
+
+
+def write_random_moe_checkpoint(
+    out_dir: str | Path,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    experts: int,
+    top_k: int,
+    expert_ffn: int,
+    vocab: int,
+    dtype: str = "float32",
+    seed: int = 0,
+    shard_bytes: int = 2**30,
+) -> Path:
+    """A random Qwen3-MoE checkpoint (every layer sparse, one tensor per expert as the hub's are),
+    written like ``write_random_checkpoint``: one tensor at a time, shard by shard.
+
+    ``models.tiny.make_tiny_moe_model`` builds the same family through a transformers model in
+    memory; at ~500M parameters that costs several copies of the model, and its vocabulary is the
+    tokenizer's, so the benchmark writes its own.
+    """
     import transformers
-    from safetensors.torch import save_file
 
-    from rlhf_megatron.config.model_arch import ModelArch
-    from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
-    from rlhf_megatron.models.spec import expected_hf_shapes
+    tokenizer = _tokenizer(vocab)
+    config = transformers.Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=expert_ffn * experts, moe_intermediate_size=expert_ffn, num_experts=experts,
+        num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, max_position_embeddings=256, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
+    )  # fmt: skip
+    return _write_random_tensors(out_dir, config, tokenizer, dtype, seed, shard_bytes)
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
-    if vocab < len(tokenizer):
-        raise ValueError(f"--vocab {vocab} is smaller than the tiny tokenizer's {len(tokenizer)} tokens")
-    config = transformers.LlamaConfig(
+
+def llama_config(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, dtype: str, tokenizer=None
+):
+    """The transformers config of ``write_random_checkpoint``'s Llama (untied head, head_dim = hidden / heads)."""
+    import transformers
+
+    tokenizer = tokenizer or _tokenizer(vocab)
+    return transformers.LlamaConfig(
         architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=hidden // heads, max_position_embeddings=256, tie_word_embeddings=False,
         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
     )  # fmt: skip
+
+
+def _tokenizer(vocab: int):
+    """The tiny tokenizer, checking that ``vocab`` has room for its tokens."""
+    from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    if vocab < len(tokenizer):
+        raise ValueError(f"--vocab {vocab} is smaller than the tiny tokenizer's {len(tokenizer)} tokens")
+    return tokenizer
+
+
+def _write_random_tensors(
+    out_dir: str | Path, config, tokenizer, dtype: str, seed: int, shard_bytes: int
+) -> Path:
+    """Save ``config``, ``tokenizer`` and N(0, 0.02) tensors (norms: 1) of every HF tensor ``config`` implies."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.models.spec import expected_hf_shapes
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
@@ -149,6 +234,32 @@ def numel(shape: Iterable[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def arch_params(arch) -> int:
+    """Parameters of ``arch``'s HF checkpoint (every tensor ``expected_hf_shapes`` lists)."""
+    from rlhf_megatron.models.spec import expected_hf_shapes
+
+    return sum(numel(s) for s in expected_hf_shapes(arch).values())
+
+
+def dense_ffn_for_params(
+    params: int, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int
+) -> int:
+    """The FFN width (a multiple of 16) that gives ``write_random_checkpoint``'s Llama of these sizes
+    about ``params`` parameters: the MoE's experts and routers become one dense MLP per layer."""
+    from rlhf_megatron.config.model_arch import ModelArch
+
+    sizes = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab, dtype="float32")
+    base = arch_params(ModelArch.from_hf_config(llama_config(ffn=16, **sizes).to_dict()))
+    per_unit = 3 * hidden * layers  # gate, up and down rows/columns per FFN unit, over all layers
+    ffn = 16 + round((params - base) / per_unit / 16) * 16
+    if ffn < 16:
+        raise ValueError(
+            f"no dense Llama of these sizes has as few as {params} parameters "
+            "(attention and embeddings alone have more)"
+        )
+    return ffn
 
 
 # -- measurement helpers (also used by tests/weights/test_sync_memory.py) ----------------------------
@@ -338,8 +449,11 @@ def measure_sync(engine, syncer, sample_s: float = 0.002, profile: int = 0) -> d
 # -- one rank ----------------------------------------------------------------------------------------
 
 
-def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, load_format: str, max_model_len: int = 64):
-    """This rank's Megatron actor (TP = world size, PP = 1) loaded from ``hf_dir``, and a vLLM engine at TP ``tp``."""
+def build_actor_and_engine(
+    hf_dir: str, tp: int, dtype: str, load_format: str, max_model_len: int = 64, ep: int = 1
+):
+    """This rank's Megatron actor (TP ``tp``, EP ``ep``, PP = 1) loaded from ``hf_dir``, and a vLLM
+    engine at TP = the world size (every rank holds every expert: vLLM's own expert parallelism is off)."""
     import torch
 
     from rlhf_megatron.config.model_arch import ModelArch
@@ -349,17 +463,20 @@ def build_actor_and_engine(hf_dir: str, tp: int, dtype: str, load_format: str, m
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel
     from rlhf_megatron.rollout.vllm_engine import VLLMEngine
 
-    info = init_model_parallel(tp, 1, seed=0)
+    info = init_model_parallel(tp, 1, seed=0, expert_model_parallel_size=ep)
     arch = ModelArch.from_hf_dir(hf_dir)
     chunks = build_gpt_model(
-        arch, ParallelConfig(tp, 1), params_dtype=getattr(torch, dtype), init_weights=False
+        arch,
+        ParallelConfig(tp, 1, expert_model_parallel_size=ep),
+        params_dtype=getattr(torch, dtype),
+        init_weights=False,
     )
     load_hf_weights(chunks, hf_dir, arch)
     engine = VLLMEngine(
         hf_dir,
         RolloutConfig(dtype=dtype, max_num_seqs=1, load_format=load_format),
         max_model_len=max_model_len,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=torch.distributed.get_world_size(),
     )
     return arch, chunks, info, ParallelGroups.current(), engine
 
@@ -370,18 +487,16 @@ def make_syncer(arch, chunks, info, groups, rollout_tp: int, load_format: str, b
 
     dtype_bytes = next(chunks[0].parameters()).element_size()
     t0 = time.perf_counter()
-    plan = build_sync_plan(
-        arch,
-        TrainLayout(info.tp_size, info.pp_size, info.vpp_size),
-        rollout_tp,
-        load_format,
-        bucket_bytes,
-        dtype_bytes,
-    )
+    plan = build_sync_plan(arch, TrainLayout.of(info), rollout_tp, load_format, bucket_bytes, dtype_bytes)
     plan_s = time.perf_counter() - t0
-    transport = CollectiveTransport(groups.tp_group, info.tp_size, groups.pp_group, groups.pp_ranks)
     syncer = WeightSyncer(
-        plan, chunks, info.tp_rank, info.pp_rank, transport, rollout_rank=info.rank % rollout_tp
+        plan,
+        chunks,
+        info.tp_rank,
+        info.pp_rank,
+        CollectiveTransport.of(groups),
+        rollout_rank=info.rank % rollout_tp,
+        ep_rank=info.ep_rank,
     )
     return syncer, plan_s
 
@@ -390,6 +505,8 @@ def bench_rank(
     rank,
     world_size,
     hf_dir,
+    tp,
+    ep,
     dtype,
     load_format,
     bucket_bytes,
@@ -410,7 +527,7 @@ def bench_rank(
     # torch is imported before run_on_ranks applies OMP_NUM_THREADS, and vLLM's CPU worker
     # disables set_num_threads once it is up: set the thread count here, first.
     torch.set_num_threads(threads)
-    arch, chunks, info, groups, engine = build_actor_and_engine(hf_dir, world_size, dtype, load_format)
+    arch, chunks, info, groups, engine = build_actor_and_engine(hf_dir, tp, dtype, load_format, ep=ep)
     try:
         syncer, plan_s = make_syncer(arch, chunks, info, groups, world_size, load_format, bucket_bytes)
         warm_s = []
@@ -446,19 +563,26 @@ def bench_rank(
 # -- the driver --------------------------------------------------------------------------------------
 
 
-def run_tp(tp: int, load_format: str, hf_dir: str, args, model_bytes: int) -> dict:
+def run_tp(
+    tp: int, load_format: str, hf_dir: str, args, model_bytes: int, ep: int = 1, world: int | None = None
+) -> dict:
+    """One measured sync on ``world`` ranks (default ``tp``; actor TP ``tp`` and EP ``ep``, the rest
+    data-parallel; vLLM at TP ``world``), summarised: the slowest rank's seconds, the largest rank's memory."""
     from rlhf_megatron.platform.multiproc import run_on_ranks
 
+    world = world or tp
     # Two cores: one process gets both, two processes get one each.
-    threads = max(1, (os.cpu_count() or 1) // tp)
+    threads = max(1, (os.cpu_count() or 1) // world)
     env = {**ENV, "OMP_NUM_THREADS": str(threads)}
     ranks = run_on_ranks(
-        bench_rank, tp, hf_dir, args.dtype, load_format, args.bucket_mb * 2**20, args.warmup, args.sample_ms / 1000,
-        args.profile, threads, int(args.mmap_threshold_mb * 2**20), env=env, timeout_s=args.timeout_s,
+        bench_rank, world, hf_dir, tp, ep, args.dtype, load_format, args.bucket_mb * 2**20, args.warmup,
+        args.sample_ms / 1000, args.profile, threads, int(args.mmap_threshold_mb * 2**20), env=env,
+        timeout_s=args.timeout_s,
     )  # fmt: skip
     profile = ranks[0].pop("profile", None)
     if profile:
-        print(f"--- cProfile, TP={tp}, {load_format}, rank 0, measured sync ---\n{profile}", file=sys.stderr)
+        layout = f"TP={tp}" + (f", EP={ep}" if ep > 1 else "")
+        print(f"--- cProfile, {layout}, {load_format}, rank 0, measured sync ---\n{profile}", file=sys.stderr)
     slowest = max(ranks, key=lambda r: r["total_s"])
     # All ranks copy at once, so the machine's bandwidth is their sum.
     bandwidth = sum(r["copy_bandwidth_bytes_per_s"] for r in ranks)
@@ -466,6 +590,8 @@ def run_tp(tp: int, load_format: str, hf_dir: str, args, model_bytes: int) -> di
     keys = ("plan_s", "gather_s", "broadcast_s", "convert_s", "generator_s", "load_s", "total_s")
     return {
         "tp": tp,
+        "ep": ep,
+        "world_size": world,
         "load_format": load_format,
         "seconds": {k: round(slowest[k], 4) for k in keys},
         "floor_s": round(floor_s, 4),
@@ -483,10 +609,119 @@ def run_tp(tp: int, load_format: str, hf_dir: str, args, model_bytes: int) -> di
     }
 
 
+def model_summary(model_dir: Path, dtype: str, build_s: float) -> dict:
+    """Sizes of the checkpoint in ``model_dir`` for the JSON (``bytes``: in ``dtype``)."""
+    from rlhf_megatron.config.model_arch import ModelArch
+
+    arch = ModelArch.from_hf_dir(model_dir)
+    params = arch_params(arch)
+    out = {
+        "architecture": arch.architecture, "params": params, "bytes": params * DTYPE_BYTES[dtype], "dtype": dtype,
+        "layers": arch.num_layers, "hidden": arch.hidden_size, "heads": arch.num_attention_heads,
+        "kv_heads": arch.num_kv_heads, "ffn": arch.ffn_hidden_size, "vocab": arch.vocab_size,
+    }  # fmt: skip
+    if arch.moe is not None:
+        per_expert = 3 * arch.hidden_size * arch.moe.ffn_hidden_size
+        expert_params = per_expert * arch.moe.num_experts * len(arch.moe.moe_layers)
+        del out["ffn"]
+        out.update(
+            experts=arch.moe.num_experts,
+            top_k=arch.moe.top_k,
+            expert_ffn=arch.moe.ffn_hidden_size,
+            expert_params=expert_params,
+            active_params=params - expert_params + expert_params * arch.moe.top_k // arch.moe.num_experts,
+        )
+    out["build_s"] = round(build_s, 2)
+    return out
+
+
+def _build(model_dir: Path, write) -> float:
+    """Seconds to write a checkpoint into ``model_dir`` with ``write`` (0 when one is already there)."""
+    t0 = time.perf_counter()
+    if not (model_dir / "config.json").exists():
+        write(model_dir)
+    return time.perf_counter() - t0
+
+
+def run_dense(args, model_dir: Path) -> dict:
+    """The dense benchmark: one Llama, one run per ``--tp`` and ``--load-format``."""
+    build_s = _build(
+        model_dir,
+        lambda d: write_random_checkpoint(
+            d, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
+            vocab=args.vocab, dtype=args.dtype,
+        ),
+    )  # fmt: skip
+    model = model_summary(model_dir, args.dtype, build_s)
+    runs = [
+        run_tp(tp, fmt, str(model_dir), args, model["bytes"]) for tp in args.tp for fmt in args.load_format
+    ]
+    return {"model": model, "runs": runs}
+
+
+def run_moe(args, model_dir: Path) -> dict:
+    """The ``--moe`` benchmark: a Qwen3-MoE at every ``--ep`` (actor TP 1, one rank per EP rank, vLLM at
+    TP = EP), and a dense Llama of about the same bytes on the same ranks (actor TP 1, DP = EP).
+
+    Both models share layers, hidden size, heads and vocabulary; the dense one's FFN width
+    is chosen so that its parameters match the MoE's (``dense_ffn_for_params``). Each MoE
+    run gets ``dense_total_s`` (the dense run of the same ranks and load format) and
+    ``ratio_to_dense`` = MoE ``total_s`` / dense ``total_s``.
+    """
+    for ep in args.ep:
+        if args.experts % ep:
+            raise SystemExit(f"--ep {ep} does not divide --experts {args.experts}")
+        if args.expert_ffn % ep:
+            raise SystemExit(
+                f"--ep {ep} puts vLLM at TP {ep}, which does not divide --expert-ffn {args.expert_ffn} "
+                "(vLLM splits every expert over its TP ranks)"
+            )
+        width = args.expert_ffn // ep
+        if "hf" in args.load_format and width % VLLM_CPU_MOE_ALIGNMENT:
+            raise SystemExit(
+                f"--ep {ep}: each vLLM rank holds experts {width} wide, which vLLM's CPU MoE kernel pads to a "
+                f"multiple of {VLLM_CPU_MOE_ALIGNMENT}; its reload (--load-format hf) then fails on the padded "
+                f"experts. Pick --expert-ffn so that --expert-ffn / EP is a multiple of {VLLM_CPU_MOE_ALIGNMENT}, "
+                "or use --load-format sharded"
+            )
+    moe_dir, dense_dir = model_dir / "moe", model_dir / "dense_same_bytes"
+    sizes = dict(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab
+    )
+    build_s = _build(
+        moe_dir,
+        lambda d: write_random_moe_checkpoint(
+            d, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, dtype=args.dtype, **sizes
+        ),
+    )  # fmt: skip
+    moe = model_summary(moe_dir, args.dtype, build_s)
+    ffn = dense_ffn_for_params(moe["params"], **sizes)
+    build_s = _build(dense_dir, lambda d: write_random_checkpoint(d, ffn=ffn, dtype=args.dtype, **sizes))
+    dense = model_summary(dense_dir, args.dtype, build_s)
+    if dense["ffn"] != ffn:
+        raise SystemExit(f"{dense_dir} holds a dense model of FFN {dense['ffn']}, not {ffn}: remove it or pick "
+                         "another --model-dir")  # fmt: skip
+    runs, dense_runs = [], []
+    for ep in args.ep:
+        for fmt in args.load_format:
+            run = run_tp(1, fmt, str(moe_dir), args, moe["bytes"], ep=ep, world=ep)
+            # The same ranks and layout without experts: actor TP 1 (DP = EP), vLLM at TP = EP.
+            base = run_tp(1, fmt, str(dense_dir), args, dense["bytes"], world=ep)
+            run["dense_total_s"] = base["seconds"]["total_s"]
+            run["ratio_to_dense"] = round(run["seconds"]["total_s"] / base["seconds"]["total_s"], 3)
+            runs.append(run)
+            dense_runs.append(base)
+    return {"model": moe, "runs": runs, "dense_same_bytes": {"model": dense, "runs": dense_runs}}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--tp", type=int, nargs="+", default=[1, 2], help="TP sizes to run (training TP = rollout TP)"
+        "--tp",
+        type=int,
+        nargs="+",
+        default=None,
+        help="TP sizes to run (training TP = rollout TP; default 1 2)",
     )
     p.add_argument(
         "--load-format", nargs="+", choices=("hf", "sharded"), default=["hf"], help="one run per format"
@@ -495,8 +730,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--heads", type=int, default=12, help="query heads (head_dim = hidden / heads)")
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=3584)
+    p.add_argument("--ffn", type=int, default=3584, help="the dense model's FFN width (not used with --moe)")
     p.add_argument("--vocab", type=int, default=32000)
+    moe = p.add_argument_group("mixture of experts")
+    moe.add_argument(
+        "--moe",
+        action="store_true",
+        help="benchmark a Qwen3-MoE at every --ep instead, next to a dense model of the same bytes",
+    )
+    moe.add_argument(
+        "--ep",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --moe: EP sizes to run (one rank per EP rank, actor TP 1, vLLM at TP = EP; default 1 2)",
+    )
+    moe.add_argument("--experts", type=int, default=28, help="routed experts per layer (every layer sparse)")
+    moe.add_argument("--top-k", type=int, default=4, help="experts per token")
+    moe.add_argument(
+        "--expert-ffn", type=int, default=128, help="one expert's FFN width (/ EP: a multiple of 32 for hf)"
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="checkpoint and actor dtype")
     p.add_argument("--bucket-mb", type=int, default=512, help="update_weights_bucket_megabytes")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured syncs before the measured one")
@@ -511,7 +764,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model-dir",
         default=None,
-        help="reuse (or create and keep) the checkpoint here; default: a temporary directory",
+        help="reuse (or create and keep) the checkpoint here (with --moe: its moe/ and dense_same_bytes/); "
+        "default: a temporary directory",
     )
     p.add_argument(
         "--mmap-threshold-mb",
@@ -521,7 +775,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "0 keeps glibc's default, which retains freed memory (faster, but RSS over-counts)",
     )
     p.add_argument("--timeout-s", type=float, default=600)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.moe:
+        if args.tp is not None:
+            p.error("--tp is for the dense run; with --moe the actor runs at TP 1 and --ep sets the ranks")
+        args.ep = args.ep or [1, 2]
+    else:
+        if args.ep is not None:
+            p.error("--ep needs --moe")
+        args.tp = args.tp or [1, 2]
+    return args
 
 
 def main(argv=None) -> None:
@@ -533,37 +796,19 @@ def main(argv=None) -> None:
     else:
         model_dir = Path(args.model_dir)
     try:
-        t0 = time.perf_counter()
-        if not (model_dir / "config.json").exists():
-            write_random_checkpoint(
-                model_dir, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                ffn=args.ffn, vocab=args.vocab, dtype=args.dtype,
-            )  # fmt: skip
-        build_s = time.perf_counter() - t0
-        from rlhf_megatron.config.model_arch import ModelArch
-        from rlhf_megatron.models.spec import expected_hf_shapes
-
-        arch = ModelArch.from_hf_dir(model_dir)
-        params = sum(numel(s) for s in expected_hf_shapes(arch).values())
-        itemsize = 4 if args.dtype == "float32" else 2
-        result = {
-            "model": {
-                "params": params, "bytes": params * itemsize, "dtype": args.dtype, "layers": arch.num_layers,
-                "hidden": arch.hidden_size, "heads": arch.num_attention_heads, "kv_heads": arch.num_kv_heads,
-                "ffn": arch.ffn_hidden_size, "vocab": arch.vocab_size, "build_s": round(build_s, 2),
-            },
-            "bucket_bytes": args.bucket_mb * 2**20,
-            "malloc": f"mmap_threshold={args.mmap_threshold_mb}MiB" if args.mmap_threshold_mb else "glibc default",
-            "cpus": os.cpu_count(),
-            "runs": [
-                run_tp(tp, fmt, str(model_dir), args, params * itemsize)
-                for tp in args.tp
-                for fmt in args.load_format
-            ],
-        }  # fmt: skip
+        measured = run_moe(args, model_dir) if args.moe else run_dense(args, model_dir)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "model": measured.pop("model"),
+        "bucket_bytes": args.bucket_mb * 2**20,
+        "malloc": f"mmap_threshold={args.mmap_threshold_mb}MiB"
+        if args.mmap_threshold_mb
+        else "glibc default",
+        "cpus": os.cpu_count(),
+        **measured,
+    }
     print(json.dumps(result, indent=1))
 
 

