@@ -80,6 +80,9 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+ROUTER_REPLAY_KEY = "actor_rollout_ref.actor.router_replay"
+
+
 class _Layers:
     """Flat view of all layers: later layers replace earlier values, and setting a key
     replaces everything below it (``model_arch: null`` drops a base's ``model_arch.*``)."""
@@ -117,6 +120,8 @@ class _Layers:
         self._set(self._rename(key), value, source)
 
     def _set(self, key: str, value: Any, source: str) -> None:
+        if key == ROUTER_REPLAY_KEY and isinstance(value, bool):  # the issue's / older verl's switch
+            key, value = f"{key}.mode", "auto" if value else "disabled"
         info = schema_keys()
         ignored = find_ignored(key) if key not in info else None
         if ignored is not None:

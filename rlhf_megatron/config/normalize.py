@@ -7,7 +7,9 @@ Role: runs after ``validate_config`` inside ``load_config`` and rewrites, in pla
 * verl's ``model.enable_gradient_checkpointing`` as full, uniform recomputation of every
   layer, when ``megatron.recompute_granularity`` is not set;
 * full recomputation's unset method/layers as uniform/1 (Megatron's usual choice);
-* verl's ``rollout.load_format`` spellings (dummy_megatron, ...) as ``hf``.
+* verl's ``rollout.load_format`` spellings (dummy_megatron, ...) as ``hf``;
+* ``actor.router_replay.mode=auto`` (``router_replay=true``) as R3 where vLLM reports its
+  routing (a vLLM rollout off CPU), else R2.
 
 The resolved config that is printed and saved therefore shows what will actually run.
 
@@ -65,4 +67,7 @@ def normalize_config(cfg: DictConfig, world_size: int | None = None) -> DictConf
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.load_format in _VERL_LOAD_FORMATS:
         rollout.load_format = "hf"
+    replay = cfg.actor_rollout_ref.actor.router_replay
+    if replay.mode == "auto":
+        replay.mode = "R3" if rollout.name == "vllm" and cfg.trainer.device != "cpu" else "R2"
     return cfg

@@ -231,7 +231,9 @@ class RouterReplayConfig:
 
     mode: str = "disabled"
     """disabled; R2: the update passes replay the experts the old-log-prob pass chose; R3: the
-    old-log-prob and update passes replay the experts vLLM chose while sampling."""
+    old-log-prob and update passes replay the experts vLLM chose while sampling (GPU: vLLM
+    reports routes only there); auto (what ``router_replay=true`` sets): R3 with a vLLM rollout
+    unless ``trainer.device=cpu``, else R2."""
 
 
 @dataclass

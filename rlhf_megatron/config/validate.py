@@ -83,7 +83,7 @@ _MEGATRON_CHOICES = {
     "recompute_granularity": (None, "selective", "full"),
     "recompute_method": (None, "uniform", "block"),
 }
-ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3", "auto")
 CHOICES: dict[str, tuple] = {
     "data.truncation": ("error", "left", "right", "middle"),
     f"{ROLLOUT}.name": ("vllm", "hf"),

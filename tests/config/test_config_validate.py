@@ -446,7 +446,27 @@ def test_router_replay_is_refused_where_it_cannot_work(overrides, expected):
 def test_router_replay_r2_on_a_moe_model_is_valid():
     assert (
         _errors(
-            *MOE_ARCH, f"{A}.router_replay.mode=R2", "trainer.device=cpu", "actor_rollout_ref.rollout.load_format=sharded"
+            *MOE_ARCH,
+            f"{A}.router_replay.mode=R2",
+            "trainer.device=cpu",
+            "actor_rollout_ref.rollout.load_format=sharded",
         )
         == []
     )
+
+
+@pytest.mark.parametrize(
+    "extra, mode",
+    [
+        ([], "R2"),
+        (["trainer.device=cuda"], "R3"),
+        (["trainer.device=cuda", "actor_rollout_ref.rollout.name=hf"], "R2"),
+    ],
+)
+def test_router_replay_true_picks_vllm_routes_where_vllm_reports_them(extra, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tiny model on disk: model_arch only
+        cfg = load_config("quickstart_moe_cpu", ["actor_rollout_ref.actor.router_replay=true", *extra])
+        assert cfg.actor_rollout_ref.actor.router_replay.mode == mode
+        off = load_config("quickstart_moe_cpu", ["actor_rollout_ref.actor.router_replay=false"])
+        assert off.actor_rollout_ref.actor.router_replay.mode == "disabled"
