@@ -483,22 +483,13 @@ def build_actor_and_engine(
 
 def make_syncer(arch, chunks, info, groups, rollout_tp: int, load_format: str, bucket_bytes: int):
     """This rank's syncer for ``load_format``, and the seconds ``build_sync_plan`` took."""
-    from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
+    from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 
     dtype_bytes = next(chunks[0].parameters()).element_size()
     t0 = time.perf_counter()
     plan = build_sync_plan(arch, TrainLayout.of(info), rollout_tp, load_format, bucket_bytes, dtype_bytes)
     plan_s = time.perf_counter() - t0
-    syncer = WeightSyncer(
-        plan,
-        chunks,
-        info.tp_rank,
-        info.pp_rank,
-        CollectiveTransport.of(groups),
-        rollout_rank=info.rank % rollout_tp,
-        ep_rank=info.ep_rank,
-    )
-    return syncer, plan_s
+    return WeightSyncer.of(plan, chunks, info, groups), plan_s
 
 
 def bench_rank(

@@ -30,6 +30,26 @@ ARCH_CONFIGS = {
 }
 
 
+def _text_config_kwargs(
+    tokenizer, num_layers, hidden_size, num_heads, num_kv_heads, head_dim, max_position_embeddings, tie
+) -> dict:
+    """The transformers config fields every tiny text model shares (sizes, the tokenizer's ids)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6,
+    )
+
+
 def build_tiny_hf_model(
     arch: str = "llama",
     num_layers: int = 2,
@@ -53,19 +73,17 @@ def build_tiny_hf_model(
     tokenizer = build_tiny_tokenizer(extra_words)
     cls_name, extra = ARCH_CONFIGS[arch]
     config = getattr(transformers, cls_name)(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
         intermediate_size=ffn_hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-6,
+        **_text_config_kwargs(
+            tokenizer,
+            num_layers,
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_position_embeddings,
+            tie_word_embeddings,
+        ),  # fmt: skip
         **extra,
     )
     torch.manual_seed(seed)
@@ -156,20 +174,18 @@ def build_tiny_moe_model(
         raise ValueError("tiny MoE model: Mixtral has no dense layers (mlp_only_layers must be empty)")
     tokenizer = build_tiny_tokenizer()
     common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
+        _text_config_kwargs(
+            tokenizer,
+            num_layers,
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_position_embeddings,
+            tie_word_embeddings,
+        ),  # fmt: skip
         num_experts_per_tok=top_k,
         router_aux_loss_coef=router_aux_loss_coef,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-6,
     )
     if family == "mixtral":
         config = transformers.MixtralConfig(

@@ -80,6 +80,22 @@ class WeightSyncer:
         self.dtype = next(iter(self.params[0].values())).dtype
         self.stats: dict[str, float] = {}
 
+    @classmethod
+    def of(cls, plan: SyncPlan, model_chunks: Sequence[torch.nn.Module], info, groups) -> WeightSyncer:
+        """The syncer of the rank a ``platform.ParallelInfo`` describes, over its
+        ``platform.ParallelGroups`` (``CollectiveTransport.of``)."""
+        from rlhf_megatron.weights.transport import CollectiveTransport
+
+        return cls(
+            plan,
+            model_chunks,
+            info.tp_rank,
+            info.pp_rank,
+            CollectiveTransport.of(groups),
+            rollout_rank=info.rank % plan.rollout_tp,
+            ep_rank=info.ep_rank,
+        )
+
     def _shard(self, t: ParamTransfer) -> torch.Tensor:
         chunk = self.params[t.vpp_rank or 0]
         if t.local_name not in chunk:

@@ -30,7 +30,7 @@ from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
-from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
+from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
@@ -129,15 +129,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             rollout.update_weights_bucket_megabytes * 2**20,
             dtype_bytes=next(self.actor.chunks[0].parameters()).element_size(),
         )
-        self.syncer = WeightSyncer(
-            plan,
-            self.actor.chunks,
-            p.tp_rank,
-            p.pp_rank,
-            CollectiveTransport.of(groups),
-            rollout_rank=self.rank % self.rollout_tp,
-            ep_rank=p.ep_rank,
-        )
+        self.syncer = WeightSyncer.of(plan, self.actor.chunks, p, groups)
 
     def dispatch_info(self, layout: str = "megatron") -> tuple[int, int, bool]:
         if layout == "rollout":

@@ -27,6 +27,15 @@ VALID = [
     "critic.ppo_micro_batch_size_per_gpu=4",
 ]
 
+# The base model as a mixture of experts: 6 experts of width 98, 2 per token.
+MOE_ARCH = [
+    "model_arch.architectures=[Qwen3MoeForCausalLM]",
+    "model_arch.model_type=qwen3_moe",
+    "model_arch.moe_intermediate_size=98",
+    "model_arch.num_experts=6",
+    "model_arch.num_experts_per_tok=2",
+]
+
 
 def make_cfg(*overrides: str, validate: bool = False):
     """A resolved config from VALID plus ``overrides`` (validated only when asked)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from cfg_helpers import make_cfg
+from cfg_helpers import MOE_ARCH, make_cfg
 
 from rlhf_megatron import cli
 from rlhf_megatron.config import ConfigError, load_config
@@ -120,15 +120,6 @@ def test_planner_divides_experts_by_ep_and_dense_parts_by_tp():
     assert actor4.weights == pytest.approx((dense / 2 + experts / 4) * 2)
     assert actor4.optimizer == pytest.approx((dense / 2 / 4 + experts / 4 / 2) * 12)  # expert DP 2
     assert actor4.activations > actor.activations - 1  # the dispatch buffers do not depend on EP
-
-
-MOE_ARCH = [
-    "model_arch.architectures=[Qwen3MoeForCausalLM]",
-    "model_arch.model_type=qwen3_moe",
-    "model_arch.moe_intermediate_size=98",
-    "model_arch.num_experts=6",
-    "model_arch.num_experts_per_tok=2",
-]
 
 
 def _errors(*overrides: str) -> str:

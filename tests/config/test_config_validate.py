@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from cfg_helpers import make_cfg, write_hf_config
+from cfg_helpers import MOE_ARCH, make_cfg, write_hf_config
 
 from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, validate_config
 from rlhf_megatron.config import validate as V
@@ -25,14 +25,6 @@ VL_ARCH = [
     "model_arch.vision_config.fullatt_block_indexes=[1]",
 ]
 
-# The base model as a mixture of experts: 6 experts of width 98, 2 per token.
-MOE_ARCH = [
-    "model_arch.architectures=[Qwen3MoeForCausalLM]",
-    "model_arch.model_type=qwen3_moe",
-    "model_arch.moe_intermediate_size=98",
-    "model_arch.num_experts=6",
-    "model_arch.num_experts_per_tok=2",
-]
 
 # rule -> (overrides on top of the valid base config, substrings its message must contain)
 CASES = {

@@ -60,18 +60,10 @@ def build_actor(hf_dir, tp, pp, ep=1, etp=None):
 
 
 def make_syncer(arch, chunks, info, groups, rollout_tp, load_format, bucket_bytes=1 << 16):
-    from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
+    from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 
     plan = build_sync_plan(arch, TrainLayout.of(info), rollout_tp, load_format, bucket_bytes, 4)
-    return WeightSyncer(
-        plan,
-        chunks,
-        info.tp_rank,
-        info.pp_rank,
-        CollectiveTransport.of(groups),
-        rollout_rank=info.rank % rollout_tp,
-        ep_rank=info.ep_rank,
-    )
+    return WeightSyncer.of(plan, chunks, info, groups)
 
 
 def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
