@@ -17,6 +17,7 @@ Modules:
     kl               KL estimators, fixed / adaptive controllers, in-reward penalty
     losses           ``agg_loss``, value loss, entropy
     policy_losses    policy-loss registry: vanilla PPO, GSPO, KL-Cov
+    rollout_correction truncated importance weights rollout -> actor (TIS); the driver's batch call
 """
 
 # Importing the estimator and loss modules registers them; keep these imports.
@@ -61,6 +62,11 @@ from rlhf_megatron.algorithms.policy_losses import (
     get_policy_loss_fn,
     register_policy_loss,
 )
+from rlhf_megatron.algorithms.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    apply_rollout_correction,
+    compute_rollout_is_weights,
+)
 from rlhf_megatron.algorithms.utils import masked_mean, masked_var, masked_whiten
 
 __all__ = [
@@ -68,10 +74,12 @@ __all__ = [
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
+    "apply_rollout_correction",
     "compute_advantage",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
@@ -84,6 +92,7 @@ __all__ = [
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_is_weights",
     "compute_value_loss",
     "entropy_from_logits",
     "estimator_needs_critic",

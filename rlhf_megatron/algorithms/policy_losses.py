@@ -5,10 +5,13 @@ the same signature and returns the same four values, so the actor code never bra
 the algorithm::
 
     fn(old_log_prob, log_prob, advantages, response_mask, *, cliprange, cliprange_low,
-       cliprange_high, clip_ratio_c, loss_agg_mode, **variant_options)
+       cliprange_high, clip_ratio_c, loss_agg_mode, rollout_is_weights, **variant_options)
     -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 ``pg_loss`` carries the gradient; the three metrics are detached 0-dim tensors.
+``rollout_is_weights`` (B, T), optional: rollout-correction importance weights
+(``rollout_correction``); each token's loss is multiplied by its (detached) weight before
+aggregation, so the metrics are unweighted.
 
 Variants: ``vanilla`` (PPO clip + dual clip), ``gspo`` (sequence-level ratio) and
 ``kl_cov`` (KL penalty on the highest-covariance tokens).
@@ -64,14 +67,18 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
         raise ValueError(f"unknown policy loss {name!r}; known policy losses: {known}") from None
 
 
-def _check(where, old_log_prob, log_prob, advantages, response_mask) -> None:
-    check_values_and_mask(
-        where,
-        {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages},
-        "response_mask",
-        response_mask,
-    )
+def _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights) -> None:
+    named = {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages}
+    if rollout_is_weights is not None:
+        named["rollout_is_weights"] = rollout_is_weights
+    check_values_and_mask(where, named, "response_mask", response_mask)
     check_ndim(where, "log_prob", log_prob, 2, "(B, T)")
+
+
+def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-token losses times the importance weights; the weights change the sampling measure,
+    not the objective, so no gradient flows into them."""
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights.detach()
 
 
 def _clip_bounds(cliprange, cliprange_low, cliprange_high) -> tuple[float, float]:
@@ -91,6 +98,7 @@ def compute_policy_loss(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate (Schulman et al. 2017) with dual clip (Ye et al. 2020).
@@ -109,6 +117,7 @@ def compute_policy_loss(
         cliprange, cliprange_low, cliprange_high: PPO clip.
         clip_ratio_c: dual-clip bound, must be > 1.
         loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: (B, T) optional per-token loss weights (rollout correction).
         **kwargs: options of other variants; ignored.
 
     Returns:
@@ -123,7 +132,7 @@ def compute_policy_loss(
         raise ValueError(
             f"{where}: clip_ratio_c must be > 1 (the dual-clip cap is clip_ratio_c * |A|), got {clip_ratio_c}"
         )
-    _check(where, old_log_prob, log_prob, advantages, response_mask)
+    _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     # Clamped before exp so a stale or masked token cannot overflow the ratio.
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, T)
     ratio = torch.exp(log_ratio)
@@ -135,7 +144,7 @@ def compute_policy_loss(
     loss_cap = -advantages * clip_ratio_c  # (B, T) dual-clip bound, binding only for A < 0
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = agg_loss(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode)
 
     with torch.no_grad():
         dtype = log_prob.dtype
@@ -156,6 +165,7 @@ def compute_policy_loss_gspo(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean.
@@ -173,6 +183,7 @@ def compute_policy_loss_gspo(
         clip_ratio_c: unused.
         loss_agg_mode: default ``seq-mean-token-mean`` (the paper's sequence average); an
             explicitly passed mode is honoured.
+        rollout_is_weights: (B, T) optional per-token loss weights (rollout correction).
         **kwargs: options of other variants; ignored.
 
     Returns:
@@ -180,7 +191,7 @@ def compute_policy_loss_gspo(
     """
     where = "compute_policy_loss_gspo"
     del clip_ratio_c, kwargs
-    _check(where, old_log_prob, log_prob, advantages, response_mask)
+    _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = log_prob - old_log_prob  # (B, T)
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (B,)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # (B, T)
@@ -189,7 +200,8 @@ def compute_policy_loss_gspo(
 
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, lo, hi)
-    pg_loss = agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode)
+    pg_losses = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
+    pg_loss = agg_loss(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode)
 
     with torch.no_grad():
         pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).to(log_prob.dtype), response_mask)
@@ -209,6 +221,7 @@ def compute_policy_loss_kl_cov(
     cliprange_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 1.0,
     **kwargs,
@@ -225,6 +238,8 @@ def compute_policy_loss_kl_cov(
         old_log_prob, log_prob, advantages, response_mask: (B, T) each.
         cliprange, cliprange_low, cliprange_high, clip_ratio_c: unused.
         loss_agg_mode: see ``agg_loss``.
+        rollout_is_weights: (B, T) optional per-token loss weights (rollout correction); they
+            weight the penalised tokens' whole loss, penalty included.
         kl_cov_ratio: fraction of valid tokens to penalise (at least one), > 0.
         ppo_kl_coef: weight of the |log-ratio| penalty.
         **kwargs: options of other variants; ignored.
@@ -239,7 +254,7 @@ def compute_policy_loss_kl_cov(
     del cliprange, cliprange_low, cliprange_high, clip_ratio_c, kwargs
     if not kl_cov_ratio > 0:
         raise ValueError(f"{where}: kl_cov_ratio must be > 0, got {kl_cov_ratio}")
-    _check(where, old_log_prob, log_prob, advantages, response_mask)
+    _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, T)
     abs_kl = log_ratio.abs()
     pg_losses = -advantages * torch.exp(log_ratio)  # (B, T)
@@ -258,7 +273,7 @@ def compute_policy_loss_kl_cov(
         selected = selected.view_as(valid)
 
     pg_losses = torch.where(selected, pg_losses + ppo_kl_coef * abs_kl, pg_losses)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = agg_loss(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode)
     with torch.no_grad():
         zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
         ppo_kl = masked_mean(abs_kl, response_mask)

@@ -23,7 +23,9 @@ tensor                      shape         meaning
                             [B, 3, P+R]   for vision-language models: M-RoPE (time, height,
                                           width) positions, see ``rope_index``
 ``response_mask``           [B, R]        1 on response tokens that take part in the loss
-``old_log_probs``           [B, R]        log-probs of the rollout (behaviour) policy
+``rollout_log_probs``       [B, R]        the rollout engine's log-probs of the sampled tokens
+``old_log_probs``           [B, R]        the actor's log-probs of them before the update (PPO's
+                                          old policy)
 ``ref_log_probs``           [B, R]        log-probs of the reference policy
 ``values``                  [B, R]        critic values
 ``token_level_scores``      [B, R]        reward-function scores (the score sits on the last
@@ -31,6 +33,8 @@ tensor                      shape         meaning
 ``token_level_rewards``     [B, R]        scores after the KL penalty (if any)
 ``advantages``              [B, R]        advantage estimates
 ``returns``                 [B, R]        value targets
+``rollout_is_weights``      [B, R]        truncated importance weights rollout -> actor policy
+                                          (``algorithms.rollout_correction``), 0 on padding
 ==========================  ============  ===================================================
 
 Non-tensor columns: ``data_source`` (str, picks the reward function), ``reward_model``

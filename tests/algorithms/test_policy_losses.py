@@ -1,5 +1,6 @@
 """Policy-loss registry, vanilla PPO (with dual clip), GSPO and KL-Cov."""
 
+import inspect
 import math
 
 import pytest
@@ -155,3 +156,58 @@ def test_all_variants_share_one_signature(name):
         torch.testing.assert_close(a.detach(), b)
     out[0].backward()
     assert torch.isfinite(new.grad).all() and new.grad.abs().sum() > 0
+
+
+def _random_inputs(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(4, 6, generator=g, dtype=F64)
+    new = (old + 0.3 * torch.randn(4, 6, generator=g, dtype=F64)).requires_grad_()
+    adv = torch.randn(4, 6, generator=g, dtype=F64)
+    return old, new, adv, ref.ragged_mask(4, 6, g, min_len=1).to(F64)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("name", sorted(POLICY_LOSS_REGISTRY))
+def test_rollout_is_weights_of_one_leave_the_loss_unchanged(name, mode):
+    old, new, adv, mask = _random_inputs()
+    fn = get_policy_loss_fn(name)
+    plain = fn(old, new, adv, mask, loss_agg_mode=mode)
+    (grad,) = torch.autograd.grad(plain[0], new)
+    weighted = fn(old, new, adv, mask, loss_agg_mode=mode, rollout_is_weights=torch.ones_like(old))
+    (grad_w,) = torch.autograd.grad(weighted[0], new)
+    for a, b in zip(plain, weighted):
+        torch.testing.assert_close(a.detach(), b.detach())
+    torch.testing.assert_close(grad, grad_w)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSS_REGISTRY))
+def test_rollout_is_weights_scale_each_tokens_loss(name):
+    old, new, adv, _ = _random_inputs()
+    weights = torch.rand(4, 6, generator=torch.Generator().manual_seed(3), dtype=F64) * 2
+    fn = get_policy_loss_fn(name)
+    # With one valid token, token-mean is that token's loss: weighted, it is w times the loss.
+    for row, col in [(0, 0), (1, 3), (3, 5)]:
+        mask = torch.zeros(4, 6, dtype=F64)
+        mask[row, col] = 1
+        plain, *metrics = fn(old, new, adv, mask, loss_agg_mode="token-mean")
+        weighted, *metrics_w = fn(old, new, adv, mask, loss_agg_mode="token-mean", rollout_is_weights=weights)
+        assert weighted.item() == pytest.approx(weights[row, col].item() * plain.item())
+        for a, b in zip(metrics, metrics_w):  # the metrics stay unweighted
+            torch.testing.assert_close(a, b)
+
+
+def test_rollout_is_weights_carry_no_gradient_and_must_match_the_shape():
+    old, new, adv, mask = _random_inputs()
+    weights = torch.full_like(old, 0.5).requires_grad_()
+    loss, *_ = compute_policy_loss(old, new, adv, mask, rollout_is_weights=weights)
+    loss.backward()
+    assert weights.grad is None and new.grad is not None
+    plain, *_ = compute_policy_loss(old, new, adv, mask)
+    assert loss.item() == pytest.approx(0.5 * plain.item())
+    with pytest.raises(ValueError, match="rollout_is_weights has shape"):
+        compute_policy_loss(old, new, adv, mask, rollout_is_weights=torch.ones(4, 5, dtype=F64))
+
+
+def test_every_registered_variant_takes_rollout_is_weights():
+    for name, fn in POLICY_LOSS_REGISTRY.items():
+        assert "rollout_is_weights" in inspect.signature(fn).parameters, name

@@ -150,6 +150,9 @@ def test_schema_keys_cover_the_verl_key_names_the_spec_lists():
         "algorithm.kl_ctrl.kl_coef",
         "algorithm.kl_ctrl.horizon",
         "algorithm.kl_ctrl.target_kl",
+        "algorithm.rollout_correction.rollout_is",
+        "algorithm.rollout_correction.rollout_is_threshold",
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
         "trainer.total_epochs",
         "trainer.total_training_steps",
         "trainer.project_name",
@@ -226,6 +229,8 @@ def test_defaults_are_verls():
         10000,
         0.1,
     )
+    corr = algo.rollout_correction
+    assert (corr.rollout_is, corr.rollout_is_threshold, corr.rollout_is_batch_normalize) == (None, 2.0, False)
     assert (cfg.data.max_prompt_length, cfg.data.train_batch_size, cfg.data.truncation) == (
         512,
         1024,

@@ -1,0 +1,160 @@
+"""Rollout correction: truncated importance weights from the rollout engine's policy to the actor's.
+
+Role: the rollout engine (vLLM or transformers) samples the responses and reports each sampled
+token's log-prob (``rollout_log_probs``); the actor recomputes them (``old_log_probs``). The two
+policies differ by numerics (bf16 kernels, another MoE routing) and, once the rollout runs
+asynchronously, by weight version, so the PPO update is off-policy. Multiplying each token's
+policy-gradient loss by ``w = pi_old / pi_rollout``, capped at a threshold (truncated IS, verl's
+``algorithm.rollout_correction.rollout_is``), corrects that with bounded variance.
+
+``compute_rollout_is_weights`` is the math on tensors; ``apply_rollout_correction`` is the
+driver's one call after the old-log-prob pass: it reads the batch's log-probs and writes
+``rollout_is_weights`` [B, R], which the policy losses multiply in (``policy_losses``).
+
+Boundaries: pure tensor math, no torch.distributed. The driver holds the whole step's batch, so
+the batch normalisation and the metrics cover every DP rank's rows without a reduction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlhf_megatron.algorithms.utils import check_ndim, check_values_and_mask
+
+if TYPE_CHECKING:  # annotations only: config and data sit beside algorithms, not below it
+    from rlhf_megatron.config.schema import RolloutCorrectionConfig
+    from rlhf_megatron.data.batch import Batch
+
+__all__ = [
+    "ROLLOUT_IS_LEVELS",
+    "apply_rollout_correction",
+    "compute_rollout_is_weights",
+]
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+# Log-ratios are clamped before exp, as verl does: exp(20) ~ 4.9e8 stays finite in fp32 and is
+# far past any useful cap, so only the metrics of raw weights ever see the bound.
+LOG_RATIO_BOUND = 20.0
+METRIC_PREFIX = "rollout_corr/"
+BATCH_KEYS = ("old_log_probs", "rollout_log_probs", "response_mask")
+
+
+def _weight_metrics(raw: torch.Tensor, truncated: torch.Tensor, threshold: float) -> dict[str, float]:
+    """Statistics of one weight per unit (token or sequence). ``raw``, ``truncated``: (N,)."""
+    n = raw.numel()
+    if n == 0:
+        return {}
+    w = truncated.double()
+    sum_sq = (w * w).sum()
+    ess = float(w.sum() ** 2 / (n * sum_sq)) if sum_sq > 0 else 0.0
+    return {
+        f"{METRIC_PREFIX}rollout_is_mean": float(w.mean()),
+        f"{METRIC_PREFIX}rollout_is_std": float(w.std(correction=0)),
+        f"{METRIC_PREFIX}rollout_is_min": float(w.min()),
+        f"{METRIC_PREFIX}rollout_is_max": float(w.max()),
+        f"{METRIC_PREFIX}rollout_is_max_raw": float(raw.double().max()),
+        f"{METRIC_PREFIX}rollout_is_clipped_frac": float((raw > threshold).double().mean()),
+        f"{METRIC_PREFIX}rollout_is_eff_sample_size": ess,
+    }
+
+
+def compute_rollout_is_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: float = 2.0,
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights ``min(pi_old / pi_rollout, threshold)``, one per token.
+
+    ``token``: ``w_t = exp(old_t - rollout_t)``. ``sequence``: one weight per response,
+    ``exp(sum_t (old_t - rollout_t))`` over its valid tokens, repeated on each of them (unbiased
+    for the whole trajectory, but its variance grows with length). Log-ratios are clamped to
+    [-20, 20] before exp. With ``rollout_is_batch_normalize`` the truncated weights are divided
+    by their mean over the batch's valid tokens, so token-mean aggregation keeps its scale.
+
+    Args:
+        old_log_probs: (B, R) the actor's log-probs of the sampled tokens.
+        rollout_log_probs: (B, R) the rollout engine's log-probs of the same tokens.
+        response_mask: (B, R) 1 on response tokens; entries elsewhere may hold anything.
+        rollout_is: ``token`` or ``sequence``.
+        rollout_is_threshold: the cap, > 0.
+        rollout_is_batch_normalize: rescale to mean 1 over valid tokens.
+
+    Returns:
+        weights: (B, R) detached, 0 where ``response_mask`` is 0; dtype of ``old_log_probs``.
+        metrics: under ``rollout_corr/``, over the units (tokens, or sequences with at least one
+            valid token), of the truncated weights before batch normalisation:
+            ``rollout_is_mean``/``_std``/``_min``/``_max``, ``rollout_is_max_raw`` (before the
+            cap), ``rollout_is_clipped_frac`` (share of units capped) and
+            ``rollout_is_eff_sample_size`` (``(sum w)^2 / (n * sum w^2)``, in (0, 1]); with
+            normalisation also ``rollout_is_batch_norm_factor`` (the mean divided out). Empty
+            when no token is valid.
+    """
+    where = "compute_rollout_is_weights"
+    if rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"{where}: rollout_is={rollout_is!r} is not one of: {', '.join(ROLLOUT_IS_LEVELS)}")
+    if not rollout_is_threshold > 0:
+        raise ValueError(
+            f"{where}: rollout_is_threshold must be > 0 (it caps each weight), got {rollout_is_threshold}"
+        )
+    check_values_and_mask(
+        where,
+        {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs},
+        "response_mask",
+        response_mask,
+    )
+    check_ndim(where, "old_log_probs", old_log_probs, 2, "(B, R)")
+
+    with torch.no_grad():
+        valid = response_mask != 0  # (B, R)
+        zero = torch.zeros((), dtype=old_log_probs.dtype, device=old_log_probs.device)
+        # Select rather than multiply: padding may hold anything, NaN or -inf included.
+        log_ratio = torch.where(valid, old_log_probs - rollout_log_probs, zero)  # (B, R)
+        if rollout_is == "token":
+            unit_log_ratio, unit_valid = log_ratio, valid  # (B, R)
+        else:
+            unit_log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
+            unit_valid = valid.any(dim=-1, keepdim=True)  # (B, 1)
+        raw = torch.exp(unit_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        truncated = raw.clamp(max=rollout_is_threshold)
+        metrics = _weight_metrics(raw[unit_valid], truncated[unit_valid], rollout_is_threshold)
+        weights = torch.where(valid, truncated.expand_as(log_ratio), zero)  # (B, R)
+        if rollout_is_batch_normalize and valid.any():
+            # Every truncated weight is >= exp(-20) > 0, so the mean is positive.
+            factor = weights.sum() / valid.sum()
+            weights = weights / factor
+            metrics[f"{METRIC_PREFIX}rollout_is_batch_norm_factor"] = float(factor)
+    return weights, metrics
+
+
+def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+    """Write ``batch["rollout_is_weights"]`` (B, R) when ``cfg.rollout_is`` is set; return the
+    ``rollout_corr/`` metrics (``{}`` and no change when it is null).
+
+    Call after the actor's old-log-prob pass: the weights need ``old_log_probs`` next to the
+    engine's ``rollout_log_probs``.
+    """
+    if cfg.rollout_is is None:
+        return {}
+    missing = [key for key in BATCH_KEYS if key not in batch]
+    if missing:
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_is={cfg.rollout_is} needs {', '.join(missing)} in the batch "
+            f"(rollout_log_probs comes from the rollout engine, old_log_probs from the actor's compute_log_prob; "
+            f"apply the correction after that pass), but the batch has: {', '.join(sorted(batch.keys()))}. "
+            "Set algorithm.rollout_correction.rollout_is=null to train without it"
+        )
+    weights, metrics = compute_rollout_is_weights(
+        batch["old_log_probs"],
+        batch["rollout_log_probs"],
+        batch["response_mask"],
+        rollout_is=cfg.rollout_is,
+        rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
+    )
+    batch["rollout_is_weights"] = weights
+    return metrics
