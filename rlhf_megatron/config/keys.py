@@ -143,7 +143,6 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 
 # Order matters: the first match wins, so specific (inert) patterns come before subtrees.
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    IgnoredKey("actor_rollout_ref.hybrid_engine", "actor and rollout are always colocated", (True,)),
     IgnoredKey(
         "actor_rollout_ref.rollout.multi_turn.enable", "multi-turn rollout is not supported", (False,)
     ),

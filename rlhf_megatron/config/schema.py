@@ -56,6 +56,7 @@ __all__ = [
     "RewardModelConfig",
     "RewardModelModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "RunConfig",
     "ValSamplingConfig",
     "TrainerConfig",
@@ -210,8 +211,28 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction``: importance weights from the rollout engine's policy to
+    the actor's (truncated IS, verl's "rollout correction"). The samples come from the rollout
+    engine (another numerical implementation, or, with an asynchronous rollout, older weights);
+    each token's policy-gradient loss is multiplied by ``min(w, rollout_is_threshold)``."""
+
+    rollout_is: str | None = None
+    """Weight granularity: null (off), token (``w_t = exp(old_lp_t - rollout_lp_t)`` per token) or
+    sequence (one weight per response, ``exp(sum over its tokens of old - rollout)``). Needs the
+    engine's ``rollout_log_probs`` (vllm and hf both return them)."""
+
+    rollout_is_threshold: float = 2.0
+    """Upper cap on each weight (truncated IS: ``w = min(w, threshold)``); must be > 0."""
+
+    rollout_is_batch_normalize: bool = False
+    """Rescale the truncated weights so that their mean over the batch's valid tokens is 1 (keeps
+    the loss scale of token-mean aggregation)."""
+
+
+@dataclass
 class AlgorithmConfig:
-    """``algorithm``: advantage estimation and the in-reward KL penalty."""
+    """``algorithm``: advantage estimation, the in-reward KL penalty and rollout correction."""
 
     gamma: float = 1.0
     """Discount factor."""
@@ -234,6 +255,9 @@ class AlgorithmConfig:
 
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """KL coefficient controller."""
+
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights rollout -> actor policy (off by default)."""
 
 
 @dataclass
@@ -283,6 +307,18 @@ class TrainerConfig:
 
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts training."""
+
+    rollout_mode: str = "sync"
+    """How generation and training interleave. sync: generate a batch with the newest weights,
+    train on it, sync. one_step_off: batch k+1 is generated with the weights before step k while
+    the actor trains on batch k (every sample one version old). async: the rollout generates
+    ahead of training up to ``max_staleness`` versions; older samples are dropped and counted.
+    one_step_off and async need ``actor_rollout_ref.hybrid_engine=false``. (our extension)"""
+
+    max_staleness: int = 1
+    """one_step_off and async: the most weight versions a sample's generating policy may lag the
+    policy that trains on it (``async/staleness_max`` reports the lag). one_step_off with 0 waits
+    for every sync, which is the sync schedule. (our extension)"""
 
     resume_mode: str = "auto"
     """auto: resume from the newest checkpoint in ``default_local_dir`` if any. disable:

@@ -460,10 +460,26 @@ class RolloutConfig:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
 
+    nnodes: int = 1
+    """Nodes of the rollout's own resource pool; used only when
+    ``actor_rollout_ref.hybrid_engine`` is false (disaggregated placement)."""
+
+    n_gpus_per_node: int = 1
+    """GPUs (processes in CPU mode) per node of the rollout's own pool; used only when
+    ``actor_rollout_ref.hybrid_engine`` is false. Its world size must be a multiple of
+    ``tensor_model_parallel_size``: each TP group is one vLLM engine (a rollout DP replica)."""
+
 
 @dataclass
 class ActorRolloutRefConfig:
     """``actor_rollout_ref``: the hybrid engine (actor, rollout and reference in one worker)."""
+
+    hybrid_engine: bool = True
+    """True: the rollout engine lives in the actor's processes (colocated: generate, then
+    train, on the same devices). False: the rollout runs on its own resource pool
+    (``rollout.nnodes`` x ``rollout.n_gpus_per_node``) and the trainer's pool
+    (``trainer.nnodes`` x ``trainer.n_gpus_per_node``) holds the actor, reference and critic;
+    weights cross pools after every update. Needed by ``trainer.rollout_mode`` one_step_off and async."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The shared starting checkpoint."""

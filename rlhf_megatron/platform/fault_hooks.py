@@ -9,6 +9,9 @@ unaffected. Phases, and the point each acts at:
 
 - ``gen``, ``update``, ``sync``: the actor worker of that rank SIGKILLs itself at
   ``actor.generate`` / ``actor.update`` / ``actor.sync`` (a crashed or OOM-killed process).
+- ``rollout_gen``, ``rollout_sync``: a worker of the disaggregated rollout pool SIGKILLs
+  itself at ``rollout.generate`` (its ``step``-th training generation) / ``rollout.sync``
+  (receiving weight version ``step``).
 - ``nan``: at ``actor.update``, that step's advantages become NaN (a poisoned loss).
 - ``critic_nan``: at ``critic.update``, that step's returns become inf (an overflowing
   value loss).
@@ -87,6 +90,8 @@ def _stop_after(k: int) -> Handler:
 
 _KILL_POINTS = {
     "gen": "actor.generate",
+    "rollout_gen": "rollout.generate",
+    "rollout_sync": "rollout.sync",
     "update": "actor.update",
     "sync": "actor.sync",
     "save": "trainer.save",

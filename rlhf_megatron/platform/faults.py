@@ -18,6 +18,10 @@ The points, and the context each passes:
 - ``actor.update`` (step, rank, batch): start of ``update_actor``.
 - ``actor.sync`` (step, rank): start of a weight sync; ``step`` counts updates so far.
 - ``critic.update`` (step, rank, batch): start of ``update_critic``.
+- ``rollout.generate`` (step, rank): a disaggregated rollout worker starts a training
+  generation; ``step`` counts this process's training generations (1 = the first).
+- ``rollout.sync`` (step, rank): a disaggregated rollout worker starts receiving weight
+  version ``step``.
 - ``trainer.save`` (step): in the driver, after the workers wrote a checkpoint, before it
   is committed.
 - ``trainer.step_end`` (step): in the driver, after a step is logged.

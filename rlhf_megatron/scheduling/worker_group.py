@@ -53,6 +53,59 @@ class WorkerError(RuntimeError):
         self.role, self.rank, self.node = role, rank, node
 
 
+class PendingCall:
+    """A submitted ``WorkerGroup`` call: ``done()`` polls, ``result()`` waits (raising ``WorkerError``)."""
+
+    def __init__(self, group: WorkerGroup, method: str, refs: list, timeout_s: float, collect):
+        self.group, self.method, self.refs = group, method, refs
+        self.deadline_s = timeout_s
+        self._collect = collect
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> Any:
+        return self._collect(self.group._wait(self.refs, self.deadline_s, self.method))
+
+
+def wait_all(pendings: list[PendingCall]) -> list[Any]:
+    """The results of calls on several groups that depend on each other (one collective spanning
+    them). The first failure stops every group involved; a process that died is named in preference
+    to the peers that then failed talking to it."""
+    import ray
+
+    results: dict[int, Any] = {}
+    left = dict(enumerate(pendings))
+    while left:
+        done = [i for i, p in left.items() if p.done()]
+        if not done:
+            refs = [r for p in left.values() for r in p.refs]
+            ray.wait(refs, num_returns=1, timeout=1.0)
+            continue
+        for i in done:
+            try:
+                results[i] = left.pop(i).result()
+            except WorkerError as err:
+                death = None if "process died" in str(err) else _death_among(left.values())
+                for p in pendings:
+                    p.group.kill()
+                raise (death or err) from err
+    return [results[i] for i in range(len(pendings))]
+
+
+def _death_among(pendings) -> WorkerError | None:
+    """A ``WorkerError`` naming a dead process among ``pendings`` (within ``DEATH_GRACE_S``), else None."""
+    for p in pendings:
+        dead = WorkerGroup._dead_peer(list(p.refs), {r: k for k, r in enumerate(p.refs)}, DEATH_GRACE_S)
+        if dead is not None:
+            rank, err = dead
+            return p.group._death_error(rank, p.method, err)
+    return None
+
+
 class WorkerGroup:
     """The Ray actors of one role, colocated in a resource pool's bundles."""
 
@@ -118,31 +171,29 @@ class WorkerGroup:
         **kwargs,
     ) -> Any:
         """Run ``method`` on every rank with the given dispatch mode (see the module docstring)."""
+        return self.submit(
+            method, *args, dispatch=dispatch, layout=layout, timeout_s=timeout_s, **kwargs
+        ).result()
+
+    def submit(
+        self,
+        method: str,
+        *args: Any,
+        dispatch: str = "all",
+        layout: str = "megatron",
+        timeout_s: float | None = None,
+        **kwargs,
+    ) -> PendingCall:
+        """Start ``call`` without waiting: the result (or the ``WorkerError``) comes from ``.result()``.
+        Calls to one group run in the order they were submitted on every rank."""
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"WorkerGroup.call: dispatch={dispatch!r} is not one of {DISPATCH_MODES}")
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
-        if dispatch == "dp_compute":
-            return self._call_dp(method, args, kwargs, timeout_s, layout)
-        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        results = self._wait(refs, timeout_s, method)
-        return results[0] if dispatch == "rank0" else results
-
-    def dispatch_infos(self, layout: str = "megatron") -> list[tuple[int, int, bool]]:
-        """Every rank's (dp_rank, dp_size, owns_output) under ``layout`` (cached once known)."""
-        if layout not in self._dispatch:
-            infos = self.call("dispatch_info", layout)
-            if any(i is None for i in infos):
-                missing = [r for r, i in enumerate(infos) if i is None]
-                raise RuntimeError(
-                    f"[{self.role}] ranks {missing} have no parallel layout yet; build the model first"
-                )
-            self._dispatch[layout] = [tuple(i) for i in infos]
-        return self._dispatch[layout]
-
-    def dp_size(self, layout: str = "megatron") -> int:
-        return self.dispatch_infos(layout)[0][1]
-
-    def _call_dp(self, method: str, args: tuple, kwargs: dict, timeout_s: float, layout: str) -> Any:
+        if dispatch != "dp_compute":
+            refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+            return PendingCall(
+                self, method, refs, timeout_s, lambda results: results[0] if dispatch == "rank0" else results
+            )
         infos = self.dispatch_infos(layout)
         if not args or not isinstance(args[0], Batch):
             raise TypeError(
@@ -160,12 +211,30 @@ class WorkerGroup:
             getattr(w, method).remote(chunks[info[0]], *rest, **kwargs)
             for w, info in zip(self.workers, infos)
         ]
-        results = self._wait(refs, timeout_s, method)
-        owned = {info[0]: res for res, info in zip(results, infos) if info[2]}
-        ordered = [owned[d] for d in range(dp)]
-        if all(isinstance(r, Batch) for r in ordered):
-            return Batch.concat(ordered)
-        return ordered
+
+        def collect(results: list) -> Any:
+            owned = {info[0]: res for res, info in zip(results, infos) if info[2]}
+            ordered = [owned[d] for d in range(dp)]
+            if all(isinstance(r, Batch) for r in ordered):
+                return Batch.concat(ordered)
+            return ordered
+
+        return PendingCall(self, method, refs, timeout_s, collect)
+
+    def dispatch_infos(self, layout: str = "megatron") -> list[tuple[int, int, bool]]:
+        """Every rank's (dp_rank, dp_size, owns_output) under ``layout`` (cached once known)."""
+        if layout not in self._dispatch:
+            infos = self.call("dispatch_info", layout)
+            if any(i is None for i in infos):
+                missing = [r for r, i in enumerate(infos) if i is None]
+                raise RuntimeError(
+                    f"[{self.role}] ranks {missing} have no parallel layout yet; build the model first"
+                )
+            self._dispatch[layout] = [tuple(i) for i in infos]
+        return self._dispatch[layout]
+
+    def dp_size(self, layout: str = "megatron") -> int:
+        return self.dispatch_infos(layout)[0][1]
 
     # ------------------------------------------------------------------ failures
     def _node_name(self, rank: int) -> str:

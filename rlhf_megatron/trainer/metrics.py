@@ -25,6 +25,19 @@ def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def span_timer(
+    name: str, timings: dict[str, float], spans: dict[str, tuple[float, float]], role: str = "trainer"
+) -> Iterator[None]:
+    """``timer`` that also keeps the phase's wall-clock (start, end) under ``<role>/<name>`` (the timeline)."""
+    wall = time.time()
+    try:
+        with timer(name, timings):
+            yield
+    finally:
+        spans[f"{role}/{name}"] = (wall, time.time())
+
+
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     if values.numel() == 0:
         return {}

@@ -18,7 +18,9 @@ driver cannot see (``sync/*``, the converter's own phases).
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,24 +28,40 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_megatron.algorithms import apply_kl_penalty, compute_advantage, get_kl_controller
+from rlhf_megatron.algorithms import (
+    apply_kl_penalty,
+    apply_rollout_correction,
+    compute_advantage,
+    get_kl_controller,
+)
 from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
+from rlhf_megatron.scheduling.worker_group import PendingCall, wait_all
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.metrics import (
     compute_data_metrics,
     compute_perf_metrics,
     compute_rollout_mismatch_metrics,
     mean_over_ranks,
-    timer,
+    span_timer,
 )
+from rlhf_megatron.trainer.rollout_queue import VERSION_KEY, RolloutScheduler, actor_version
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PPOTrainer", "StopTraining"]
+
+QUEUE_FILE = "rollout_queue.pt"
+"""In a checkpoint: the batches generated ahead of training (one_step_off, async)."""
+
+
+def _atomic_save(obj, path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 class PPOTrainer:
@@ -55,6 +73,7 @@ class PPOTrainer:
         context: RunContext,
         *,
         actor,
+        rollout=None,
         critic,
         reward_model,
         reward_fn,
@@ -67,10 +86,15 @@ class PPOTrainer:
         n_params: int,
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
-        leaves out); ``n_params`` is the actor's parameters per token (active, for MoE), for MFU."""
+        leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
+        the actor's processes generate); ``n_params`` is the actor's parameters per token (active,
+        for MoE), for MFU."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
+        self.rollout = rollout
+        self.rollout_group = rollout if rollout is not None else actor
+        self.critic_warmup = run.trainer.critic_warmup
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_loader, self.val_loader = train_loader, val_loader
         self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
@@ -79,33 +103,50 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
         self.global_step = 0
         self.history: list[dict[str, Any]] = []
+        self.rollouts: RolloutScheduler | None = None
+        self._restored_queue: list = []
+        self.t0 = time.time()
+        """Wall-clock origin of the ``timeline/*`` metrics."""
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
         trainer = self.cfg.trainer
+        self.t0 = time.time()
+        self.rollouts = RolloutScheduler(self, self._batches(), self.staleness())
         self.resume()
-        if trainer.val_before_train or trainer.val_only:
-            val = self.validate()
-            self.tracker.log(val, self.global_step)
-            self.history.append({"step": self.global_step, **val})
-            if trainer.val_only:
-                return self.history
-        batches = self._batches()
-        while self.global_step < self.total_steps:
-            batch = next(batches)
-            self.global_step += 1
-            metrics = self.train_step(batch, self.global_step)
-            last = self.global_step == self.total_steps
-            if trainer.test_freq > 0 and (self.global_step % trainer.test_freq == 0 or last):
-                metrics.update(self.validate())
-            if (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0) or last:
-                start = time.perf_counter()
-                self.save_checkpoint()
-                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-            self.tracker.log(metrics, self.global_step)
-            self.history.append({"step": self.global_step, **metrics})
-            fault_point("trainer.step_end", step=self.global_step)
+        self.rollouts.restore(self._restored_queue)
+        try:
+            if trainer.val_before_train or trainer.val_only:
+                val = self.validate()
+                self.tracker.log(val, self.global_step)
+                self.history.append({"step": self.global_step, **val})
+                if trainer.val_only:
+                    return self.history
+            while self.global_step < self.total_steps:
+                self.global_step += 1
+                metrics = self.train_step(self.global_step)
+                last = self.global_step == self.total_steps
+                if trainer.test_freq > 0 and (self.global_step % trainer.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                if (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0) or last:
+                    start = time.perf_counter()
+                    self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                self.tracker.log(metrics, self.global_step)
+                self.history.append({"step": self.global_step, **metrics})
+                fault_point("trainer.step_end", step=self.global_step)
+        finally:
+            self.rollouts.close()
         return self.history
+
+    def staleness(self) -> int:
+        """The scheduler's bound: 0 for sync, at most 1 for one_step_off, ``max_staleness`` for async."""
+        trainer = self.cfg.trainer
+        if trainer.rollout_mode == "sync":
+            return 0
+        if trainer.rollout_mode == "one_step_off":
+            return min(trainer.max_staleness, 1)
+        return trainer.max_staleness
 
     def _batches(self) -> Iterator[Batch]:
         """Training batches, epoch after epoch: ``trainer.total_training_steps`` may ask for more
@@ -119,20 +160,29 @@ class PPOTrainer:
         while True:
             yield from self.train_loader
 
-    def train_step(self, batch: Batch, step: int) -> dict[str, Any]:
+    def train_step(self, step: int) -> dict[str, Any]:
         cfg, plan = self.cfg, self.plan
         timings: dict[str, float] = {}
+        spans: dict[str, tuple[float, float]] = {}
         metrics: dict[str, Any] = {
             "training/global_step": step,
             "training/epoch": self.train_loader.state_dict()["epoch"],
         }
         start = time.perf_counter()
-        # The GRPO-family estimators group responses by this per-prompt uid (unique per step).
-        batch["uid"] = np.array([f"{step}-{i}" for i in range(len(batch))], dtype=object)
-        with timer("gen", timings):
-            batch = self.generate(batch, seed=self.seeds.generation(step))
+        wall = time.time()
+        batch, queue_metrics = self.rollouts.take(step)
+        metrics.update(queue_metrics)
+        if self.rollout is None:  # colocated: the wait was the generation
+            timings["gen"] = queue_metrics["timing_s/wait_gen"]
+            spans["rollout/gen"] = (wall, time.time())
+        else:  # the rollout pool's own clock; it may have run during the previous step
+            gen_start, gen_end = batch.meta_info.get("gen_start"), batch.meta_info.get("gen_end")
+            if gen_start is not None:
+                timings["gen"] = gen_end - gen_start
+                spans["rollout/gen"] = (gen_start, gen_end)
+        timer = functools.partial(span_timer, timings=timings, spans=spans)
         if cfg.algorithm.adv_estimator == "remax":
-            with timer("gen_max", timings):
+            with timer("gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(batch, step)
         if "multi_modal_data" in batch.non_tensor_keys:
             # The decoded images were for the rollout engine; the Megatron passes read
@@ -141,36 +191,43 @@ class PPOTrainer:
         if cfg.trainer.balance_batch:
             batch, balance = balance_batch(batch, self.actor.dp_size())
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
-        with timer("reward", timings):
+        with timer("reward"):
             batch["token_level_scores"], reward_metrics = self.score(batch, self.reward_fn)
             metrics.update(reward_metrics)
-        with timer("old_log_prob", timings):
+        with timer("old_log_prob"):
             old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
             batch = batch.union(old.select(["old_log_probs"]))
         metrics.update(compute_rollout_mismatch_metrics(batch))
+        # Off-policy correction (algorithm.rollout_correction): rollout -> actor importance weights.
+        metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
         if plan.ref:
-            with timer("ref", timings):
+            with timer("ref"):
                 batch = batch.union(self.actor.call("compute_ref_log_prob", batch, dispatch="dp_compute"))
         if plan.critic:
-            with timer("values", timings):
+            with timer("values"):
                 batch = batch.union(self.critic.call("compute_values", batch, dispatch="dp_compute"))
-        with timer("adv", timings):
+        with timer("adv"):
             batch = self.compute_advantages(batch, metrics)
         if plan.critic:
-            with timer("update_critic", timings):
+            with timer("update_critic"):
                 metrics.update(
                     mean_over_ranks(self.critic.call("update_critic", batch, step, dispatch="dp_compute"))
                 )
         if step > cfg.trainer.critic_warmup:
-            with timer("update_actor", timings):
+            with timer("update_actor"):
                 metrics.update(
                     mean_over_ranks(self.actor.call("update_actor", batch, step, dispatch="dp_compute"))
                 )
-            # Push the new weights into the rollout engine now, so the sync is timed as its own phase.
-            with timer("sync_weights", timings):
-                metrics.update(self.actor.call("sync_weights", dispatch="rank0"))
+            # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
+            # rollout is idle or needs them), so the sync is timed as its own phase.
+            with timer("sync_weights"):
+                metrics.update(self.rollouts.after_update(step))
         seconds = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
+        for name, (begin, end) in spans.items():
+            role, phase = name.split("/", 1)
+            metrics[f"timeline/{role}/{phase}/start_s"] = begin - self.t0
+            metrics[f"timeline/{role}/{phase}/end_s"] = end - self.t0
         metrics.update(compute_data_metrics(batch, plan.critic))
         metrics.update(
             compute_perf_metrics(
@@ -187,9 +244,15 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ pieces of a step
     def generate(self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False) -> Batch:
-        """Pad prompts to the rollout DP size, generate, drop the padding's samples."""
-        padded, pad = prompts.pad_to_divisor(self.actor.dp_size("rollout"))
-        out = self.actor.call(
+        """Generate now (validation, ReMax's greedy baseline); training batches go through ``rollouts``."""
+        return self.finish_generate(self.submit_generate(prompts, seed, validate=validate, greedy=greedy))
+
+    def submit_generate(
+        self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False
+    ) -> PendingCall:
+        """Start generating: prompts padded to the rollout DP size (``finish_generate`` drops the padding)."""
+        padded, pad = prompts.pad_to_divisor(self.rollout_group.dp_size("rollout"))
+        pending = self.rollout_group.submit(
             "generate_sequences",
             padded,
             validate=validate,
@@ -198,8 +261,31 @@ class PPOTrainer:
             dispatch="dp_compute",
             layout="rollout",
         )
-        n = len(out) // len(padded)
-        return out[: len(out) - pad * n] if pad else out
+        pending.pad, pending.rows = pad, len(padded)
+        return pending
+
+    def finish_generate(
+        self, pending: PendingCall, prompts: Batch | None = None, version: int | None = None
+    ) -> Batch:
+        """Wait for a generation; rows carry ``weight_version`` (the rollout pool's own; colocated,
+        ``version``, the weights the actor's engine holds)."""
+        out = pending.result()
+        n = len(out) // pending.rows
+        out = out[: len(out) - pending.pad * n] if pending.pad else out
+        if VERSION_KEY not in out.tensor_keys:
+            current = self.rollouts.rollout_version if version is None else version
+            out[VERSION_KEY] = torch.full((len(out),), current, dtype=torch.int64)
+        return out
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Give the rollout the actor's current weights (``version`` updates): colocated, through the
+        actor's own engine; disaggregated, streamed from the trainer's rank 0 to the rollout pool."""
+        if self.rollout is None:
+            return self.actor.call("sync_weights", dispatch="rank0")
+        send = self.actor.submit("send_weights", version, dispatch="rank0")
+        receive = self.rollout.submit("receive_weights", version, dispatch="rank0")
+        sent, received = wait_all([send, receive])
+        return {**sent, **received}
 
     def _greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, broadcast to that prompt's samples."""
@@ -264,6 +350,8 @@ class PPOTrainer:
         scores, sources, samples = [], [], []
         parts: dict[str, list[tuple[float, int]]] = {}  # EasyR1's score parts: (batch mean, rows)
         start = time.perf_counter()
+        # A sync point: queued generations finish and the rollout validates the newest weights.
+        self.rollouts.drain(actor_version(self.global_step, self.critic_warmup))
         for i, prompts in enumerate(self.val_loader):
             out = self.generate(prompts, seed=self.seeds.generation(0) + i, validate=True)
             token_scores, reward_metrics = self.score(out, self.val_reward_fn)
@@ -302,17 +390,24 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
+        # A sync point: the batches generated ahead are saved with the checkpoint, and the rollout
+        # holds the saved weights, as it will after a resume.
+        self.rollouts.drain(actor_version(self.global_step, self.critic_warmup))
+        queued = self.rollouts.state()
         tmp = self.checkpoints.begin(self.global_step)
         try:
             # Each role writes its models under <tmp>/<model name> (actor/, critic/).
             self.actor.call("save_checkpoint", str(tmp))
             if self.plan.critic:
                 self.critic.call("save_checkpoint", str(tmp))
+            if queued:
+                _atomic_save(queued, tmp / QUEUE_FILE)
             fault_point("trainer.save", step=self.global_step)
             state = {
                 "global_step": self.global_step,
                 "dataloader": self.train_loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rollout_queue": [step for step, _, _ in queued],
             }
             self.checkpoints.commit(self.global_step, tmp, state)
         except BaseException:
@@ -333,4 +428,10 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
+        if state.get("rollout_queue"):
+            self._restored_queue = torch.load(path / QUEUE_FILE, weights_only=False)
+        version = actor_version(self.global_step, self.critic_warmup)
+        self.rollouts.rollout_version = version
+        if self.rollout is not None:  # the rollout pool still holds the initial weights
+            self.push_weights(version)
         logger.info("resumed from %s at step %d", path, self.global_step)

@@ -8,7 +8,11 @@ every role then receives only its own section plus the run's ``RunContext``
 Placement: one resource pool of ``trainer.nnodes x trainer.n_gpus_per_node``
 processes; the hybrid actor (+rollout +ref) owns one process per slot, and
 the critic and the reward model are colocated in the same bundles (each role
-gets a share of the slot). On CPU a slot is one CPU bundle.
+gets a share of the slot). On CPU a slot is one CPU bundle. With
+``actor_rollout_ref.hybrid_engine=false`` the rollout gets a pool of its own
+(``rollout.nnodes x rollout.n_gpus_per_node``, ``workers.rollout.RolloutWorker``)
+and a process group spanning both pools carries the weights
+(``weights.cross_pool``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def _init_ray(run: RunConfig) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return False
     world = run.trainer.nnodes * run.trainer.n_gpus_per_node
+    if not run.actor_rollout_ref.hybrid_engine:
+        world += run.actor_rollout_ref.rollout.nnodes * run.actor_rollout_ref.rollout.n_gpus_per_node
     ray.init(
         num_cpus=max(world, os.cpu_count() or 1),
         include_dashboard=False,
@@ -109,15 +115,16 @@ def _reward_fns(run: RunConfig, tokenizer):
 
 def _worker_groups(run: RunConfig, context: RunContext):
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
+    from rlhf_megatron.scheduling.worker_group import wait_all
+    from rlhf_megatron.weights.cross_pool import CrossPoolRoute
     from rlhf_megatron.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+    from rlhf_megatron.workers.rollout import RolloutWorker
 
     trainer, plan = run.trainer, context.plan
-    pool = ResourcePool(
-        "global_pool",
-        [trainer.n_gpus_per_node] * trainer.nnodes,
-        use_gpu=is_cuda() and trainer.device != "cpu",
-    )
+    use_gpu = is_cuda() and trainer.device != "cpu"
+    pool = ResourcePool("global_pool", [trainer.n_gpus_per_node] * trainer.nnodes, use_gpu=use_gpu)
     pool.create()
+    pools = [pool]
     # Roles sharing each bundle (the reference lives inside the actor's workers).
     colocated = 1 + plan.critic + plan.reward_model
     roles = {"actor": (ActorRolloutRefWorker, run.actor_rollout_ref)}
@@ -131,9 +138,39 @@ def _worker_groups(run: RunConfig, context: RunContext):
         )
         for role, (cls, section) in roles.items()
     }
-    for group in groups.values():
-        group.call("init_model")
-    return pool, groups
+    if not run.actor_rollout_ref.hybrid_engine:  # the rollout on a pool of its own
+        rollout = run.actor_rollout_ref.rollout
+        rollout_pool = ResourcePool(
+            "rollout_pool", [rollout.n_gpus_per_node] * rollout.nnodes, use_gpu=use_gpu
+        )
+        rollout_pool.create()
+        pools.append(rollout_pool)
+        groups["rollout"] = WorkerGroup(
+            "rollout", rollout_pool, RolloutWorker, {"section": run.actor_rollout_ref, "context": context}
+        )
+    # The rollout pool's vLLM starts while the trainer's roles build their models, one role at a time.
+    starting = groups["rollout"].submit("init_model") if "rollout" in groups else None
+    try:
+        for role, group in groups.items():
+            if role != "rollout":
+                group.call("init_model")
+    except BaseException:
+        if starting is not None:
+            groups["rollout"].kill()
+        raise
+    if starting is not None:
+        starting.result()
+    if "rollout" in groups:
+        actor, rollout_group = groups["actor"], groups["rollout"]
+        route = CrossPoolRoute.of(rollout_group.world_size)
+        host, port = actor.nodes[0]["ip"], actor.call("node_info", dispatch="rank0")["free_port"]
+        wait_all(
+            [
+                actor.submit("join_sync_group", host, port, route),
+                rollout_group.submit("join_sync_group", host, port, route),
+            ]
+        )
+    return pools, groups
 
 
 def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -169,13 +206,14 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
         run.trainer.experiment_name,
         OmegaConf.to_container(cfg, resolve=True),
     )
-    pool = groups = None
+    pools, groups = [], None
     try:
-        pool, groups = _worker_groups(run, context)
+        pools, groups = _worker_groups(run, context)
         trainer = PPOTrainer(
             run,
             context,
             actor=groups["actor"],
+            rollout=groups.get("rollout"),
             critic=groups.get("critic"),
             reward_model=groups.get("reward_model"),
             reward_fn=reward_fn,
@@ -201,7 +239,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
                 group.shutdown()
             except Exception as e:  # a failed run reports its own error; teardown must not mask it
                 logger.warning("shutting down %s: %s", group.role, e)
-        if pool is not None:
+        for pool in pools:
             pool.remove()
         if started_ray:
             ray.shutdown()

@@ -137,6 +137,12 @@ class WeightSyncer:
     # ------------------------------------------------------------------ the stream
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs for this rank's rollout engine, one bucket at a time."""
+        for bucket in self.iter_buckets():
+            yield from bucket
+
+    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """This rank's (name, tensor) pairs of each bucket of the plan, in plan order (a cross-pool
+        sender ships them bucket by bucket). ``stats`` is filled in once the last one is out."""
         stats = dict.fromkeys(("gather_s", "broadcast_s", "convert_s"), 0.0)
         stats["peak_bucket_bytes"] = 0
         for bucket in self.plan.buckets:
@@ -164,7 +170,7 @@ class WeightSyncer:
                 stats["convert_s"] += time.perf_counter() - t2
             held = sum(x.numel() * x.element_size() for _, x in out)
             stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], held)
-            yield from out
+            yield out
             del out
         self.stats = stats
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 
@@ -29,10 +30,12 @@ from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_
 from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
-from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
+from rlhf_megatron.rollout import RolloutEngine
 from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
+from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, send_buckets
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
+from rlhf_megatron.workers.rollout import build_engine, sample
 
 UPDATE_KEYS = ("responses", "response_mask", "old_log_probs", "advantages")
 
@@ -65,6 +68,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.ref: MegatronEngine | None = None
         self.rollout: RolloutEngine | None = None
         self.syncer: WeightSyncer | None = None
+        self.sync_group = None
+        """Disaggregated rollout, rank 0: the process group spanning the trainer and the rollout pool."""
         self.weights_stale = False
         """The actor's weights changed since the rollout engine last received them."""
 
@@ -93,40 +98,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
 
     # ------------------------------------------------------------------ rollout
     def _init_rollout(self) -> None:
-        from transformers import AutoTokenizer
-
+        """The colocated engine (hybrid engine) and the weight syncer; disaggregated, only the syncer
+        (its buckets go to the rollout pool through ``send_weights``)."""
         arc = self.section
-        rollout = arc.rollout
-        tok = AutoTokenizer.from_pretrained(
-            os.path.expanduser(arc.model.tokenizer_path or arc.model.path),
-            trust_remote_code=arc.model.trust_remote_code,
-        )
-        engine_args = (
-            {
-                "tensor_parallel_size": self.rollout_tp,
-                "return_routed_experts": arc.actor.router_replay.mode == "R3",
-            }
-            if rollout.name == "vllm"
-            else {"eos_token_id": tok.eos_token_id}
-        )
-        self.rollout = build_rollout_engine(
-            rollout.name,
-            self.path,
-            rollout,
-            max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
-            seed=self.context.seeds.rollout_engine(self.rank // self.rollout_tp),
-            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            trust_remote_code=arc.model.trust_remote_code,
-            **engine_args,
-        )
+        if arc.hybrid_engine:
+            self.rollout = build_engine(arc, self.context, self.rank, self.rollout_tp)
         groups = ParallelGroups.current()
         p = self.parallel
         plan = build_sync_plan(
             self.arch,
             TrainLayout.of(p),
             self.rollout_tp,
-            rollout.load_format,
-            rollout.update_weights_bucket_megabytes * 2**20,
+            arc.rollout.load_format,
+            arc.rollout.update_weights_bucket_megabytes * 2**20,
             dtype_bytes=next(self.actor.chunks[0].parameters()).element_size(),
         )
         self.syncer = WeightSyncer.of(plan, self.actor.chunks, p, groups)
@@ -149,6 +133,31 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.weights_stale = False
         return {f"sync/{k}": float(v) for k, v in self.syncer.stats.items()}
 
+    # ------------------------------------------------------------------ disaggregated rollout
+    def join_sync_group(self, host: str, port: int, route: CrossPoolRoute) -> None:
+        """Rank 0 hosts and joins the process group spanning both pools; the other ranks only
+        help gather (``send_weights``)."""
+        rank = route.group_rank("trainer", self.rank)
+        if rank is not None:
+            self.sync_group = open_sync_group(host, port, rank, route.group_size)
+
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Every rank executes the plan (gathers inside the trainer's world); rank 0 streams the
+        buckets to the rollout pool (``RolloutWorker.receive_weights``), bucket ``k+1`` gathered while
+        bucket ``k`` is on the wire. Returns ``sync/*`` as ``sync_weights`` does, plus the wire's."""
+        fault_point("actor.sync", step=self.updates, rank=self.rank)
+        start = time.perf_counter()
+        if self.sync_group is not None:
+            wire = send_buckets(self.sync_group, self.syncer.iter_buckets(), version)
+        else:
+            wire = {}
+            for _ in self.syncer.iter_buckets():
+                pass
+        stats = {f"sync/{k}": float(v) for k, v in self.syncer.stats.items()}
+        stats.update({f"sync/wire_{k}": float(v) for k, v in wire.items()})
+        stats["sync/send_s"] = time.perf_counter() - start
+        return stats
+
     def on_weights_loaded(self) -> None:
         self.weights_stale = True
 
@@ -160,19 +169,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         (weights, prompts, seed): the driver passes one per step so resumed runs match."""
         if not (validate or greedy):
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
+        if self.rollout is None:
+            raise RuntimeError(
+                f"[actor] rank {self.rank}: generate_sequences on the actor, but the rollout runs on its own "
+                "pool (actor_rollout_ref.hybrid_engine=false)"
+            )
         if self.weights_stale:
             self.sync_weights()
-        if seed is not None:  # distinct seeds for the prompts of different rollout DP groups
-            seed = seed + (self.rank // self.rollout_tp) * len(prompts)
-        sampling = RolloutSampling.from_config(
-            self.section.rollout, validate=validate, greedy=greedy, seed=seed
-        )
         megatron = self.section.actor.megatron
         with self.actor.offloaded(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload):
-            self.rollout.wake_up()
-            out = self.rollout.generate_sequences(prompts, sampling)
-            self.rollout.sleep()
-        return out
+            replica = self.rank // self.rollout_tp
+            return sample(
+                self.rollout, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
+            )
 
     # ------------------------------------------------------------------ log-probs
     def _log_prob_fn(self):
@@ -278,6 +287,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 cliprange_high=actor.clip_ratio_high,
                 clip_ratio_c=actor.clip_ratio_c,
                 loss_agg_mode=mode,
+                rollout_is_weights=micro.get("rollout_is_weights"),  # (b, R), with rollout correction
             )
             loss = pg_loss
             metrics = {
@@ -308,6 +318,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         fault_point("actor.update", step=self.updates + 1, rank=self.rank, batch=batch)
         actor = self.section.actor
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
+        if "rollout_is_weights" in batch.tensor_keys:  # set by the driver's apply_rollout_correction
+            keys = (*keys, "rollout_is_weights")
         if actor.router_replay.mode != "disabled":
             batch = self._routes_for_update(batch)
             keys = (*keys, ROUTES_KEY)

@@ -207,23 +207,26 @@ def test_no_warning_when_nothing_is_ignored():
 
 def test_ignored_key_with_a_behaviour_changing_value_is_an_error():
     with pytest.raises(ConfigError) as err:
-        make_cfg("actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.rollout.multi_turn.enable=True")
+        make_cfg(
+            "actor_rollout_ref.rollout.use_fire_sampling=True",
+            "actor_rollout_ref.rollout.multi_turn.enable=True",
+        )
     assert (
-        "actor_rollout_ref.hybrid_engine=False (command line) is not supported by the Megatron backend"
+        "actor_rollout_ref.rollout.use_fire_sampling=True (command line) is not supported by the Megatron backend"
         in str(err.value)
     )
-    assert "set it to True" in err.value.errors[0]
-    assert "multi-turn rollout is not supported" in err.value.errors[1]
+    assert "set it to False" in " ".join(err.value.errors)
+    assert any("multi-turn rollout is not supported" in e for e in err.value.errors)
 
 
 def test_ignored_key_at_its_inert_value_is_accepted():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_cfg(
-            "actor_rollout_ref.hybrid_engine=True",
+            "actor_rollout_ref.rollout.use_fire_sampling=False",
             "actor_rollout_ref.actor.megatron.use_dist_checkpointing=False",
         )
-    assert any("actor_rollout_ref.hybrid_engine" in str(w.message) for w in caught)
+    assert any("actor_rollout_ref.rollout.use_fire_sampling" in str(w.message) for w in caught)
 
 
 def test_renamed_spellings_set_the_schema_key():

@@ -118,6 +118,7 @@ def test_the_promised_presets_exist():
     for name in [
         "quickstart_cpu.yaml",
         "quickstart_cpu_ppo.yaml",
+        "quickstart_cpu_one_step_off.yaml",
         "examples/gsm8k_ppo.yaml",
         "examples/gsm8k_grpo.yaml",
         "examples/countdown_grpo.yaml",

@@ -21,7 +21,7 @@ from reliability_helpers import run_train, train_overrides
 from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 
 pytestmark = pytest.mark.slow
-VOLATILE = ("timing_s/", "perf/", "sync/", "balance/")
+VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/")
 EXTRA = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
 BOUND_S = 150  # a fault must be reported well within this (start-up included)
 

@@ -8,7 +8,7 @@ import pytest
 from trainer_helpers import run_train, train_overrides
 
 pytestmark = pytest.mark.slow
-VOLATILE = ("timing_s/", "perf/", "sync/", "balance/")
+VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/")
 
 
 def _check_step(record, use_critic):

@@ -1,0 +1,191 @@
+"""The rollout engine of a run, colocated in the actor's processes or on a resource pool of its own.
+
+Colocated (``actor_rollout_ref.hybrid_engine=true``, the default): the actor worker
+builds the engine with ``build_engine`` and samples with ``sample``.
+
+Disaggregated (``hybrid_engine=false``): ``RolloutWorker`` is a role of its own on the
+rollout pool (``rollout.nnodes x rollout.n_gpus_per_node`` processes; every
+``rollout.tensor_model_parallel_size`` consecutive ranks form one vLLM engine, one
+rollout data-parallel replica). It knows no Megatron: the trainer's rank 0 streams
+it every new version of the weights over a process group spanning both pools
+(``weights.cross_pool``), and every batch it generates records the version that
+produced it (the ``weight_version`` column: what the trainer's staleness bounds and
+metrics read). A worker runs one call at a time, so a sync never lands in the middle
+of a generation; a sync that fails half-way marks the engine unusable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from rlhf_megatron.config.context import RunContext
+from rlhf_megatron.config.schema import ActorRolloutRefConfig
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.platform.faults import fault_point
+from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
+from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, receive_buckets
+from rlhf_megatron.workers.base import Worker
+
+VERSION_KEY = "weight_version"
+"""Per-row int64 column: how many actor updates the weights that generated the row had seen."""
+
+
+def build_engine(
+    section: ActorRolloutRefConfig, context: RunContext, rank: int, rollout_tp: int
+) -> RolloutEngine:
+    """The rollout engine of the process at ``rank`` (consecutive ranks ``rollout_tp`` at a time share one)."""
+    from transformers import AutoTokenizer
+
+    model, rollout = section.model, section.rollout
+    path = os.path.expanduser(model.path)
+    tok = AutoTokenizer.from_pretrained(
+        os.path.expanduser(model.tokenizer_path or model.path), trust_remote_code=model.trust_remote_code
+    )
+    engine_args = (
+        {
+            "tensor_parallel_size": rollout_tp,
+            "return_routed_experts": section.actor.router_replay.mode == "R3",
+        }
+        if rollout.name == "vllm"
+        else {"eos_token_id": tok.eos_token_id}
+    )
+    return build_rollout_engine(
+        rollout.name,
+        path,
+        rollout,
+        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        seed=context.seeds.rollout_engine(rank // rollout_tp),
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        trust_remote_code=model.trust_remote_code,
+        **engine_args,
+    )
+
+
+def sample(
+    engine: RolloutEngine,
+    section: ActorRolloutRefConfig,
+    prompts: Batch,
+    replica: int,
+    *,
+    validate: bool,
+    greedy: bool,
+    seed: int | None,
+) -> Batch:
+    """``n`` responses per prompt from one rollout replica (``val_kwargs`` when ``validate``, one greedy
+    sample when ``greedy``). ``seed`` makes the samples a function of (weights, prompts, seed); the
+    replicas offset it so their prompts draw distinct streams."""
+    if seed is not None:
+        seed = seed + replica * len(prompts)
+    sampling = RolloutSampling.from_config(section.rollout, validate=validate, greedy=greedy, seed=seed)
+    engine.wake_up()
+    out = engine.generate_sequences(prompts, sampling)
+    engine.sleep()
+    return out
+
+
+class RolloutWorker(Worker):
+    """One process of the rollout pool: ``init_model``, ``join_sync_group``, ``generate_sequences``,
+    ``receive_weights``."""
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        section: ActorRolloutRefConfig,
+        context: RunContext,
+        env: dict[str, str] | None = None,
+    ):
+        super().__init__(role, rank, world_size, env)
+        self.section, self.context = section, context
+        rollout = section.rollout
+        self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+        if world_size % self.rollout_tp:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.rollout_tp} does not divide the "
+                f"rollout pool's {world_size} processes (rollout.nnodes x rollout.n_gpus_per_node)"
+            )
+        self.engine: RolloutEngine | None = None
+        self.sync_group = None
+        self.version = 0
+        """Actor updates behind the engine's weights (0: the initial checkpoint)."""
+        self.generations = 0
+        """Training generations this process has run."""
+        self.broken: str | None = None
+        """Why the engine may hold a half-updated model (a sync failed part-way), or None."""
+
+    def init_model(self) -> None:
+        from rlhf_megatron.platform import setup_platform
+
+        setup_platform()
+        self.engine = build_engine(self.section, self.context, self.rank, self.rollout_tp)
+
+    def dispatch_info(self, layout: str = "rollout") -> tuple[int, int, bool]:
+        """Every layout is the rollout's: replica ``rank // tp`` of ``world // tp``; its TP rank 0 answers."""
+        return (
+            self.rank // self.rollout_tp,
+            self.world_size // self.rollout_tp,
+            self.rank % self.rollout_tp == 0,
+        )
+
+    def join_sync_group(self, host: str, port: int, route: CrossPoolRoute) -> None:
+        """Join the process group that spans both pools (the trainer's rank 0 hosts its store)."""
+        self.sync_group = open_sync_group(
+            host, port, route.group_rank("rollout", self.rank), route.group_size
+        )
+
+    def generate_sequences(
+        self, prompts: Batch, validate: bool = False, greedy: bool = False, seed: int | None = None
+    ) -> Batch:
+        """Like the colocated actor's; every row also records ``weight_version``, and the batch's
+        ``meta_info`` the generation's wall-clock ``gen_start``/``gen_end`` (the trainer's timeline)."""
+        if not (validate or greedy):
+            self.generations += 1
+            fault_point("rollout.generate", step=self.generations, rank=self.rank)
+        if self.broken:
+            raise RuntimeError(f"[rollout] rank {self.rank}: refusing to generate: {self.broken}")
+        start = time.time()
+        out = sample(
+            self.engine,
+            self.section,
+            prompts,
+            self.rank // self.rollout_tp,
+            validate=validate,
+            greedy=greedy,
+            seed=seed,
+        )
+        out[VERSION_KEY] = torch.full((len(out),), self.version, dtype=torch.int64)
+        out.meta_info.update(gen_start=start, gen_end=time.time())
+        return out
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Load the weights the trainer's rank 0 streams (``ActorRolloutRefWorker.send_weights``)."""
+        if self.sync_group is None:
+            raise RuntimeError(f"[rollout] rank {self.rank}: receive_weights before join_sync_group")
+        fault_point("rollout.sync", step=version, rank=self.rank)
+        stats: dict[str, float] = {}
+        start = time.perf_counter()
+        self.broken = f"the weight sync to version {version} did not finish"
+        self.engine.wake_up()
+        self.engine.update_weights(receive_buckets(self.sync_group, stats))
+        if stats.get("version") != version:
+            raise RuntimeError(
+                f"[rollout] rank {self.rank}: expected weights of version {version}, the trainer sent "
+                f"{stats.get('version')}"
+            )
+        self.version = version
+        self.broken = None
+        return {
+            "sync/receive_s": time.perf_counter() - start,
+            "sync/recv_wire_s": stats["recv_s"],
+            "sync/bytes": stats["bytes"],
+        }
+
+    def shutdown(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

