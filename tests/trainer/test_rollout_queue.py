@@ -1,0 +1,126 @@
+"""The rollout scheduler's rule on its own: which weight version generates each step's batch, when the
+rollout syncs, and what is dropped. The trainer side is a recorder (the e2e runs are in test_async_e2e)."""
+
+import pytest
+import torch
+
+from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.trainer.rollout_queue import VERSION_KEY, RolloutScheduler, actor_version, can_start
+
+
+class _Done:
+    def __init__(self, batch):
+        self.batch = batch
+
+    def done(self):
+        return True
+
+    def result(self):
+        return self.batch
+
+
+class _Trainer:
+    """Generation is instant; ``version`` is what the rollout holds when a generation runs."""
+
+    def __init__(self, total, critic_warmup=0):
+        self.global_step, self.total_steps, self.critic_warmup = 0, total, critic_warmup
+        self.events = []
+        self.rollout_holds = 0  # the rollout's version in call order (a rollout runs calls in order)
+
+        class Seeds:
+            @staticmethod
+            def generation(step):
+                return step
+
+        self.seeds = Seeds()
+
+    def submit_generate(self, prompts, seed):
+        self.events.append(("gen", seed, self.rollout_holds))
+        return _Done(Batch.from_dict({VERSION_KEY: torch.full((len(prompts),), self.rollout_holds)}))
+
+    def finish_generate(self, pending, prompts, version):
+        return pending.result()
+
+    def push_weights(self, version):
+        self.events.append(("sync", version))
+        self.rollout_holds = version
+        return {}
+
+
+def _prompts():
+    while True:
+        yield Batch.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+
+
+def _simulate(staleness, total=5, critic_warmup=0):
+    trainer = _Trainer(total, critic_warmup)
+    sched = RolloutScheduler(trainer, _prompts(), staleness)
+    lags = []
+    for step in range(1, total + 1):
+        _, metrics = sched.take(step)
+        lags.append(metrics["async/staleness_max"])
+        sched.after_update(step)
+    return trainer.events, lags
+
+
+def test_staleness_zero_is_the_sync_schedule():
+    events, lags = _simulate(0, total=3)
+    assert events == [("gen", 1, 0), ("sync", 1), ("gen", 2, 1), ("sync", 2), ("gen", 3, 2), ("sync", 3)]
+    assert lags == [0, 0, 0]
+
+
+def test_one_step_off_generates_the_next_batch_with_the_previous_weights():
+    events, lags = _simulate(1, total=4)
+    gens = [e for e in events if e[0] == "gen"]
+    assert gens == [("gen", 1, 0), ("gen", 2, 0), ("gen", 3, 1), ("gen", 4, 2)]
+    assert lags == [0, 1, 1, 1]
+
+
+def test_async_runs_ahead_up_to_max_staleness_and_syncs_when_the_queue_is_short():
+    events, lags = _simulate(2, total=6)
+    assert max(lags) == 2 and all(lag <= 2 for lag in lags)
+    gens = {e[1]: e[2] for e in events if e[0] == "gen"}
+    assert gens[3] == 0  # batch 3 from the initial weights, trained by version 2
+    syncs = [e[1] for e in events if e[0] == "sync"]
+    assert len(syncs) < 6, "with work queued the rollout skips some syncs"
+
+
+def test_critic_warmup_steps_change_no_version():
+    assert [actor_version(s, 2) for s in range(5)] == [0, 0, 0, 1, 2]
+    events, lags = _simulate(1, total=4, critic_warmup=2)
+    assert [e for e in events if e[0] == "sync"] == [("sync", 1), ("sync", 2)]
+    assert lags == [0, 0, 0, 1]
+
+
+def test_can_start_bounds_both_lag_and_lead():
+    assert can_start(3, 1, rollout_version=0, staleness=2, critic_warmup=0)
+    assert not can_start(4, 1, rollout_version=0, staleness=2, critic_warmup=0)  # too far ahead
+    assert not can_start(4, 2, rollout_version=0, staleness=2, critic_warmup=0)  # too stale: lag 3
+
+
+def test_a_batch_older_than_the_bound_is_dropped_counted_and_regenerated():
+    trainer = _Trainer(3)
+    sched = RolloutScheduler(trainer, _prompts(), 1)
+    sched.take(1)
+    sched.after_update(1)
+    # A batch from version 0 queued for step 3 (e.g. restored from an older schedule): lag 2 > 1.
+    sched.take(2)
+    stale = Batch.from_dict({VERSION_KEY: torch.zeros(2, dtype=torch.long)})
+    sched.queue.clear()
+    sched.restore([(3, stale, stale)])
+    sched.after_update(2)
+    batch, metrics = sched.take(3)
+    assert metrics["async/dropped_samples"] == 2
+    assert metrics["async/staleness_max"] <= 1 and int(batch[VERSION_KEY][0]) == 2
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_drain_leaves_the_rollout_at_the_newest_version(staleness):
+    trainer = _Trainer(4)
+    sched = RolloutScheduler(trainer, _prompts(), staleness)
+    sched.take(1)
+    if staleness:
+        sched.take(2)
+    sched.drain(2)
+    assert trainer.rollout_holds == 2 and sched.rollout_version == 2
+    assert all(g.batch is not None for g in sched.queue)
