@@ -140,6 +140,8 @@ class _Pipe:
             target(self)
         except BaseException as err:  # noqa: BLE001 (re-raised in the main thread by join)
             self.error = err
+            return
+        self.put(_END)  # wake the consumer now rather than at its next poll
 
     def put(self, item) -> bool:
         """Hand ``item`` over; False when the thread has died (``join`` raises its error)."""
