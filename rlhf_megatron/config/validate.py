@@ -100,6 +100,9 @@ CHOICES: dict[str, tuple] = {
     **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
 }
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+ROLLOUT_IS_LEVELS = (None, "token", "sequence")
+# Engines whose batches carry ``rollout_log_probs`` (rollout/base.py ``assemble_rollout``).
+ENGINES_WITH_LOG_PROBS = ("vllm", "hf")
 
 
 def check_strategy(ctx: ValidationContext) -> list[str]:
@@ -244,6 +247,31 @@ def check_clip_ratio_c(ctx: ValidationContext) -> list[str]:
     """Dual-clip bound ``clip_ratio_c`` must exceed 1 (it bounds the ratio for negative advantages)."""
     value = ctx.get(f"{ACTOR}.clip_ratio_c")
     return [] if value > 1.0 else [f"{ACTOR}.clip_ratio_c={value} must be > 1.0 (verl's default is 3.0)"]
+
+
+def check_rollout_correction(ctx: ValidationContext) -> list[str]:
+    """``algorithm.rollout_correction``: a known weight granularity, a positive cap, and a rollout
+    engine that reports the log-probs the weights are computed from."""
+    key = "algorithm.rollout_correction"
+    level, threshold = ctx.get(f"{key}.rollout_is"), ctx.get(f"{key}.rollout_is_threshold")
+    out = []
+    if level not in ROLLOUT_IS_LEVELS:
+        out.append(
+            f"{key}.rollout_is={level!r} is not one of: null, token, sequence (null turns the correction off)"
+        )
+    if not threshold > 0:
+        out.append(
+            f"{key}.rollout_is_threshold={threshold} must be > 0: it caps every importance weight; "
+            "set it to e.g. 2.0 (verl's default)"
+        )
+    engine = ctx.get(f"{ROLLOUT}.name")
+    if level is not None and engine not in ENGINES_WITH_LOG_PROBS:
+        out.append(
+            f"{key}.rollout_is={level} weights tokens by the rollout engine's log-probs, which "
+            f"{ROLLOUT}.name={engine!r} does not return; use one of: {', '.join(ENGINES_WITH_LOG_PROBS)}, "
+            f"or set {key}.rollout_is=null"
+        )
+    return out
 
 
 def check_group_estimator_n(ctx: ValidationContext) -> list[str]:
@@ -756,6 +784,7 @@ RULES: tuple[Rule, ...] = (
     check_loss_agg_mode,
     check_policy_loss_mode,
     check_clip_ratio_c,
+    check_rollout_correction,
     check_group_estimator_n,
     check_sampling_ranges,
     check_model_arch_matches_checkpoint,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from cfg_helpers import MOE_ARCH, make_cfg, write_hf_config
+from cfg_helpers import MOE_ARCH, VALID, make_cfg, write_hf_config
 
 from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, validate_config
 from rlhf_megatron.config import validate as V
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
+RC = "algorithm.rollout_correction"
 # The tiny GQA model as a Qwen2.5-VL: M-RoPE sections for head_dim 64, a 2-block vision tower.
 VL_ARCH = [
     "model_arch.architectures=[Qwen2_5_VLForConditionalGeneration]",
@@ -86,6 +87,14 @@ CASES = {
     V.check_clip_ratio_c: (
         [f"{A}.clip_ratio_c=0.5"],
         ["actor_rollout_ref.actor.clip_ratio_c=0.5 must be > 1.0"],
+    ),
+    V.check_rollout_correction: (
+        [f"{RC}.rollout_is=tokens", f"{RC}.rollout_is_threshold=0"],
+        [
+            "algorithm.rollout_correction.rollout_is='tokens' is not one of: null, token, sequence",
+            "algorithm.rollout_correction.rollout_is_threshold=0.0 must be > 0: it caps every importance "
+            "weight; set it to e.g. 2.0",
+        ],
     ),
     V.check_group_estimator_n: (
         ["algorithm.adv_estimator=grpo", f"{R}.n=1"],
@@ -399,6 +408,40 @@ def test_strategy_of_an_inactive_role_is_not_checked():
 
 def test_data_files_may_be_a_list():
     assert _errors("data.train_files=['a.parquet','b.parquet']") == []
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("engine", ["vllm", "hf"])
+def test_rollout_correction_is_valid_with_either_engine(level, engine):
+    assert _errors(f"{RC}.rollout_is={level}", f"{RC}.rollout_is_threshold=5", f"{R}.name={engine}") == []
+    cfg = load_config(None, [*VALID, f"{RC}.rollout_is={level}", f"{RC}.rollout_is_batch_normalize=true"])
+    corr = cfg.algorithm.rollout_correction
+    assert (corr.rollout_is, corr.rollout_is_threshold, corr.rollout_is_batch_normalize) == (level, 2.0, True)
+
+
+def test_rollout_correction_needs_an_engine_that_returns_log_probs():
+    errors = _errors(f"{RC}.rollout_is=token", f"{R}.name=sglang")
+    assert any(
+        "algorithm.rollout_correction.rollout_is=token weights tokens by the rollout engine's log-probs, "
+        "which actor_rollout_ref.rollout.name='sglang' does not return; use one of: vllm, hf, or set "
+        "algorithm.rollout_correction.rollout_is=null" in e
+        for e in errors
+    ), errors
+    # Off, the engine does not matter to this rule (check_choices still names the engine).
+    assert not any("rollout_correction" in e for e in _errors(f"{R}.name=sglang"))
+
+
+def test_rollout_correction_section_loads_from_a_preset_and_suggests_misspelled_keys(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text(
+        "algorithm:\n  rollout_correction:\n    rollout_is: sequence\n    rollout_is_threshold: 3\n"
+    )
+    corr = load_config(preset, VALID).algorithm.rollout_correction
+    assert (corr.rollout_is, corr.rollout_is_threshold) == ("sequence", 3.0)
+    with pytest.raises(ConfigError, match=f"did you mean '{RC}.rollout_is_threshold'"):
+        make_cfg(f"{RC}.rollout_is_treshold=3")
+    with pytest.raises(ConfigError, match=f"{RC}.rollout_is_batch_normalize='maybe'"):
+        make_cfg(f"{RC}.rollout_is_batch_normalize=maybe")
 
 
 def test_model_arch_that_matches_the_checkpoint_passes(tmp_path):
