@@ -96,6 +96,15 @@ def world_size(cfg: DictConfig, override: int | None = None) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+def rollout_world_size(cfg: DictConfig, override: int | None = None) -> int:
+    """Processes that run the rollout engines: the rollout's own pool when
+    ``actor_rollout_ref.hybrid_engine`` is false, else the trainer's world (``world_size``)."""
+    if OmegaConf.select(cfg, "actor_rollout_ref.hybrid_engine", default=True):
+        return world_size(cfg, override)
+    rollout = cfg.actor_rollout_ref.rollout
+    return rollout.nnodes * rollout.n_gpus_per_node
+
+
 def megatron_section(cfg: DictConfig, role: str) -> DictConfig:
     return OmegaConf.select(cfg, f"{ROLE_SECTIONS[role]}.megatron")
 

@@ -32,6 +32,7 @@ from rlhf_megatron.config.roles import (
     data_parallel_size,
     megatron_section,
     per_gpu_micro_batch,
+    rollout_world_size,
     world_size,
 )
 
@@ -84,6 +85,7 @@ _MEGATRON_CHOICES = {
     "recompute_method": (None, "uniform", "block"),
 }
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3", "auto")
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
 CHOICES: dict[str, tuple] = {
     "data.truncation": ("error", "left", "right", "middle"),
     f"{ROLLOUT}.name": ("vllm", "hf"),
@@ -97,6 +99,7 @@ CHOICES: dict[str, tuple] = {
     f"{ACTOR}.router_replay.mode": ROUTER_REPLAY_MODES,
     "trainer.nan_policy": ("stop", "skip"),
     "trainer.verify_checkpoint": ("sha256", "size", "none"),
+    "trainer.rollout_mode": ROLLOUT_MODES,
     **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
 }
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -270,6 +273,43 @@ def check_rollout_correction(ctx: ValidationContext) -> list[str]:
             f"{key}.rollout_is={level} weights tokens by the rollout engine's log-probs, which "
             f"{ROLLOUT}.name={engine!r} does not return; use one of: {', '.join(ENGINES_WITH_LOG_PROBS)}, "
             f"or set {key}.rollout_is=null"
+        )
+    return out
+
+
+def check_rollout_placement(ctx: ValidationContext) -> list[str]:
+    """``trainer.rollout_mode`` and the disaggregated rollout pool (``hybrid_engine=false``)."""
+    mode, staleness = ctx.get("trainer.rollout_mode"), ctx.get("trainer.max_staleness")
+    hybrid = ctx.get("actor_rollout_ref.hybrid_engine")
+    out = []
+    if mode in ("one_step_off", "async") and hybrid:
+        out.append(
+            f"trainer.rollout_mode={mode} overlaps generation with training, which one set of processes "
+            "cannot do: set actor_rollout_ref.hybrid_engine=false and give the rollout its own pool "
+            f"({ROLLOUT}.nnodes, {ROLLOUT}.n_gpus_per_node), or use trainer.rollout_mode=sync"
+        )
+    if not isinstance(staleness, int) or staleness < 0:
+        out.append(
+            f"trainer.max_staleness={staleness} must be an integer >= 0 (weight versions a sample may lag)"
+        )
+    elif mode == "async" and staleness < 1:
+        out.append(
+            "trainer.rollout_mode=async with trainer.max_staleness=0 never generates ahead; set "
+            "max_staleness >= 1, or use trainer.rollout_mode=sync"
+        )
+    if hybrid:
+        return out
+    for key in (f"{ROLLOUT}.nnodes", f"{ROLLOUT}.n_gpus_per_node"):
+        value = ctx.get(key)
+        if not isinstance(value, int) or value < 1:
+            out.append(
+                f"{key}={value} must be >= 1: the rollout's own pool (actor_rollout_ref.hybrid_engine=false)"
+            )
+    load_format = ctx.get(f"{ROLLOUT}.load_format")
+    if load_format == "sharded":
+        out.append(
+            f"{ROLLOUT}.load_format=sharded needs the rollout in the actor's processes (each rank cuts its own "
+            "vLLM shard); with actor_rollout_ref.hybrid_engine=false the trainer streams full tensors: use hf"
         )
     return out
 
@@ -514,12 +554,23 @@ def check_dynamic_bsz_token_budget(ctx: ValidationContext) -> list[str]:
 
 
 def check_rollout_tp(ctx: ValidationContext) -> list[str]:
-    """vLLM's TP size divides the actor's world and the model's attention heads."""
+    """vLLM's TP size divides the processes that run the rollout (the actor's world, or the rollout's
+    own pool) and the model's attention heads."""
     key = f"{ROLLOUT}.tensor_model_parallel_size"
     tp = ctx.get(key)
     out = []
-    if ctx.world % tp:
-        out.append(f"{key}={tp} does not divide the world size {ctx.world}; choose a divisor of {ctx.world}")
+    if ctx.get("actor_rollout_ref.hybrid_engine"):
+        if ctx.world % tp:
+            out.append(
+                f"{key}={tp} does not divide the world size {ctx.world}; choose a divisor of {ctx.world}"
+            )
+    else:
+        pool = rollout_world_size(ctx.cfg)
+        if pool >= 1 and pool % tp:
+            out.append(
+                f"{key}={tp} does not divide the rollout pool's {pool} processes ({ROLLOUT}.nnodes x "
+                f"{ROLLOUT}.n_gpus_per_node); each group of {tp} processes is one vLLM engine"
+            )
     arch, source = ctx.archs["actor"]
     if arch is not None:
         heads, groups = arch.num_attention_heads, arch.num_kv_heads
@@ -785,6 +836,7 @@ RULES: tuple[Rule, ...] = (
     check_policy_loss_mode,
     check_clip_ratio_c,
     check_rollout_correction,
+    check_rollout_placement,
     check_group_estimator_n,
     check_sampling_ranges,
     check_model_arch_matches_checkpoint,

@@ -46,6 +46,17 @@ CASES = {
         ["data.train_files=[]"],
         ["data.train_files=[]: expected a parquet path or a non-empty list of paths"],
     ),
+    V.check_rollout_placement: (
+        [
+            "trainer.rollout_mode=one_step_off",
+            "trainer.max_staleness=-1",
+        ],
+        [
+            "trainer.rollout_mode=one_step_off overlaps generation with training, which one set of processes "
+            "cannot do: set actor_rollout_ref.hybrid_engine=false",
+            "trainer.max_staleness=-1 must be an integer >= 0",
+        ],
+    ),
     V.check_resume_mode: (
         ["trainer.resume_mode=autp"],
         ["trainer.resume_mode='autp': use auto, disable, resume_path, or a checkpoint path containing '/'"],
@@ -505,3 +516,38 @@ def test_router_replay_true_picks_vllm_routes_where_vllm_reports_them(extra, mod
         assert cfg.actor_rollout_ref.actor.router_replay.mode == mode
         off = load_config("quickstart_moe_cpu", ["actor_rollout_ref.actor.router_replay=false"])
         assert off.actor_rollout_ref.actor.router_replay.mode == "disabled"
+
+
+DISAGGREGATED = (
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=2",
+)
+
+
+def test_a_disaggregated_async_run_is_valid():
+    assert _errors(*DISAGGREGATED, "trainer.rollout_mode=async", "trainer.max_staleness=2") == []
+    assert _errors(*DISAGGREGATED, "trainer.rollout_mode=one_step_off") == []
+
+
+def test_disaggregated_rollout_pool_problems_are_named():
+    errors = _errors(
+        "actor_rollout_ref.hybrid_engine=false",
+        "actor_rollout_ref.rollout.n_gpus_per_node=3",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.load_format=sharded",
+        "trainer.rollout_mode=async",
+        "trainer.max_staleness=0",
+    )
+    text = "\n".join(errors)
+    assert "does not divide the rollout pool's 3 processes" in text
+    assert "load_format=sharded needs the rollout in the actor's processes" in text
+    assert "trainer.rollout_mode=async with trainer.max_staleness=0 never generates ahead" in text
+    assert "actor_rollout_ref.rollout.nnodes=0 must be >= 1" in "\n".join(
+        _errors(*DISAGGREGATED, "actor_rollout_ref.rollout.nnodes=0")
+    )
+
+
+def test_rollout_mode_is_a_choice():
+    assert any("trainer.rollout_mode='fast' is not one of: sync, one_step_off, async" in e
+               for e in _errors("trainer.rollout_mode=fast"))  # fmt: skip
