@@ -30,3 +30,23 @@ def test_plot_errors_name_the_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, ')
     proc = _run(tmp_path)
     assert proc.returncode == 2 and "metrics.jsonl:2 is not JSON" in proc.stderr
+
+
+def test_timeline_records_add_a_gantt_panel_and_old_runs_keep_their_layout(tmp_path):
+    from rlhf_megatron.trainer.plot import plot, timeline_spans
+
+    rows = [
+        {"step": s, "critic/score/mean": s / 10, "timing_s/step": 1.0, "timing_s/gen": 0.5}
+        for s in range(1, 5)
+    ]
+    old = plot(rows, tmp_path / "old.png")
+    for r in rows:  # one-step-off: batch k+1 generated while the trainer updates on batch k
+        k = r["step"]
+        r.update({"timeline/rollout/gen/start_s": k - 0.5, "timeline/rollout/gen/end_s": k + 0.2,
+                  "timeline/trainer/update_actor/start_s": k, "timeline/trainer/update_actor/end_s": k + 0.9})  # fmt: skip
+    spans = timeline_spans(rows)
+    assert len(spans) == 6 and ("rollout", "gen", 3.5, 4.2) in spans  # the last 3 steps
+    new = plot(rows, tmp_path / "new.png")
+    from PIL import Image
+
+    assert Image.open(new).size[1] > Image.open(old).size[1]  # a third row: the Gantt panel
