@@ -181,6 +181,8 @@ class MemoryPlan:
     """Of which the vision tower and merger (0 for text models)."""
     active_params: int = 0
     """Parameters one token passes through (a mixture-of-experts model's top-k experts; else the total)."""
+    rollout_world: int | None = None
+    """GPUs of the rollout's own pool (``actor_rollout_ref.hybrid_engine=false``); None when colocated."""
 
     @property
     def peak(self) -> Phase:
@@ -401,8 +403,14 @@ def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemo
     )
 
 
-def _phases(roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float) -> list[Phase]:
-    """Per-GPU memory of each phase of one colocated PPO step, in step order."""
+def _phases(
+    roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float, colocated: bool = True
+) -> list[Phase]:
+    """Per-GPU memory of each phase of one PPO step, in step order. Disaggregated, the trainer's
+    GPUs hold no vLLM memory (the weight stream stages up to two buckets beside the one being
+    gathered) and the rollout pool's GPUs hold only vLLM: ``rollout pool:`` phases."""
+    if not colocated:
+        return _disaggregated_phases(roles, rollout, runtime)
     vllm_idle = (rollout.weights if rollout.keeps_weights else 0.0) + (
         max(rollout.kv_cache, 0.0) if rollout.keeps_kv else 0.0
     )
@@ -431,6 +439,34 @@ def _phases(roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float
     return phases
 
 
+def _disaggregated_phases(
+    roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float
+) -> list[Phase]:
+    def phase(name: str, running: str | None, own: float, extra: dict[str, float] | None = None) -> Phase:
+        parts = {role: (own if role == running else mem.resident()) for role, mem in roles.items()}
+        return Phase(name, parts | (extra or {}) | {"runtime": runtime})
+
+    actor = roles["actor"]
+    bucket = min(rollout.bucket, rollout.weights * rollout.tp)  # a bucket never exceeds the model
+    phases = [phase("weight sync", "actor", actor.with_weights(), {"stream": 2 * bucket})]
+    phases.append(phase("old log-prob", "actor", actor.forward_phase()))
+    for role, name in (
+        ("ref", "ref log-prob"),
+        ("reward_model", "reward model"),
+        ("critic", "critic values"),
+    ):
+        if role in roles:
+            phases.append(phase(name, role, roles[role].forward_phase()))
+    if "critic" in roles:
+        phases.append(phase("critic update", "critic", roles["critic"].training_phase()))
+    phases.append(phase("actor update", "actor", actor.training_phase()))
+    # The rollout pool: vLLM awake the whole time; a sync loads into its weights while the
+    # receiver holds up to three buckets (one loading, one queued, one on the wire).
+    phases.append(Phase("rollout: generate", {"vllm": rollout.budget, "runtime": runtime}))
+    phases.append(Phase("rollout: sync", {"vllm": rollout.budget, "stream": 3 * bucket, "runtime": runtime}))
+    return phases
+
+
 def plan_memory(
     cfg: DictConfig, gpu_memory_gb: float | None = None, world_size: int | None = None
 ) -> MemoryPlan:
@@ -455,7 +491,8 @@ def plan_memory(
         roles[role] = _role_memory(cfg, role, arch, world, seq)
     rollout = _rollout_memory(cfg, archs["actor"][0], gpu)
     runtime = CPU_RUNTIME_OVERHEAD_GIB if cfg.trainer.device == "cpu" else RUNTIME_OVERHEAD_GIB
-    phases = _phases(roles, rollout, runtime * GIB)
+    colocated = bool(OmegaConf.select(cfg, "actor_rollout_ref.hybrid_engine", default=True))
+    phases = _phases(roles, rollout, runtime * GIB, colocated)
     plan = MemoryPlan(
         gpu_memory=gpu,
         world=world,
@@ -466,6 +503,7 @@ def plan_memory(
         model_params=count_parameters(archs["actor"][0]).total,
         vision_params=count_parameters(archs["actor"][0]).vision,
         active_params=count_parameters(archs["actor"][0]).active,
+        rollout_world=None if colocated else roles_mod.rollout_world_size(cfg),
     )
     for phase in phases:
         if phase.total > gpu:
@@ -498,8 +536,13 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     if plan.vision_params:
         total += f", of which vision tower {_count(plan.vision_params)}"
     lines = [f"memory plan: {title} ({total})" if title else f"memory plan ({total})"]
+    pools = (
+        f"world {plan.world} GPUs"
+        if plan.rollout_world is None
+        else f"trainer pool {plan.world} GPUs + rollout pool {plan.rollout_world} GPUs (disaggregated)"
+    )
     lines.append(
-        f"world {plan.world} GPUs x {plan.gpu_memory / GIB:.0f} GiB; sequence {plan.sequence_tokens} tokens "
+        f"{pools} x {plan.gpu_memory / GIB:.0f} GiB; sequence {plan.sequence_tokens} tokens "
         "(prompt + response); GiB per GPU, worst pipeline stage"
     )
     lines.append("")
@@ -517,7 +560,7 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     ro = plan.rollout
     lines += [
         "",
-        f"vLLM (TP{ro.tp}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
+        f"vLLM (TP{ro.tp}{', on the rollout pool' if plan.rollout_world is not None else ''}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
         f"{ro.overhead / GIB:.2f} + KV cache {ro.kv_cache / GIB:.2f} GiB",
         f"  KV cache {ro.kv_bytes_per_token / 1024:.1f} KiB/token -> {ro.sequences} sequences of {ro.sequence_tokens} tokens",
         "",

@@ -221,3 +221,24 @@ def test_docs_plan_of_llama_70b_is_current(capsys):
     assert cli.main(["plan", "models/llama3.1_70b"]) == 0
     current = capsys.readouterr().out
     assert (REPO / "docs" / "plan_llama3.1_70b.txt").read_text() == current
+
+
+def test_disaggregated_plan_keeps_vllm_off_the_trainer_pool():
+    base = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
+    colocated = plan_memory(load_config("models/llama3.1_8b.yaml", base))
+    own_pool = [*base, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
+                "actor_rollout_ref.rollout.n_gpus_per_node=8"]  # fmt: skip
+    plan = plan_memory(load_config("models/llama3.1_8b.yaml", own_pool))
+    assert plan.rollout_world == 8 and plan.world == 16 and colocated.rollout_world is None
+    trainer = {p.name: p for p in plan.phases if not p.name.startswith("rollout:")}
+    rollout = [p for p in plan.phases if p.name.startswith("rollout:")]
+    assert "generate" not in trainer and all("vllm" not in p.parts for p in trainer.values())
+    assert [p.name for p in rollout] == ["rollout: generate", "rollout: sync"]
+    assert all(set(p.parts) <= {"vllm", "stream", "runtime"} for p in rollout)
+    # The actor's update no longer shares its GPU with vLLM's idle memory.
+    update = next(p for p in colocated.phases if p.name == "actor update")
+    assert trainer["actor update"].total <= update.total
+    text = format_plan(plan)
+    assert (
+        "trainer pool 16 GPUs + rollout pool 8 GPUs (disaggregated)" in text and "on the rollout pool" in text
+    )
