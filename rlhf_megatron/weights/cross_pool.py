@@ -26,6 +26,7 @@ engine marked unusable, and the next generation refuses to run.
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import threading
@@ -184,15 +185,18 @@ def send_buckets(group, buckets: Iterable[list[tuple[str, torch.Tensor]]], versi
             start = time.perf_counter()
             for tensor in item:
                 _broadcast(group, tensor)
+            del item, tensor
             stats["send_s"] += time.perf_counter() - start
 
     pipe = _Pipe(wire, "weight-sync-send")
     try:
-        for bucket in (*buckets, []):
+        for bucket in itertools.chain(buckets, [[]]):  # an empty bucket ends the stream
             frames = _frames(bucket, version)
+            del bucket  # the frames are copies: free the bucket before the next is gathered
             stats["bytes"] += sum(f.numel() * f.element_size() for f in frames[2:])
             start = time.perf_counter()
             delivered = pipe.put(frames)
+            del frames
             stats["wait_s"] += time.perf_counter() - start
             if not delivered:
                 break
@@ -256,6 +260,7 @@ def receive_buckets(group, stats: dict[str, float] | None = None) -> Iterator[tu
             stats["bytes"] += sum(f.numel() * f.element_size() for f in flats.values())
             if not pipe.put(out):
                 return
+            del out
 
     pipe = _Pipe(wire, "weight-sync-receive")
     while (item := pipe.get()) is not _END:

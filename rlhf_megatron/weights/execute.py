@@ -137,8 +137,11 @@ class WeightSyncer:
     # ------------------------------------------------------------------ the stream
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs for this rank's rollout engine, one bucket at a time."""
-        for bucket in self.iter_buckets():
+        buckets = self.iter_buckets()
+        while (bucket := next(buckets, None)) is not None:
             yield from bucket
+            # Drop this bucket before the next is gathered (a ``for`` loop would still hold it).
+            del bucket
 
     def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This rank's (name, tensor) pairs of each bucket of the plan, in plan order (a cross-pool
