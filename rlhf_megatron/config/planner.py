@@ -26,6 +26,12 @@ for every role and every phase of a PPO step, and whether the peak fits
   critic update, actor update. Outside its own phase a role keeps what its offload flags
   do not move to CPU; vLLM keeps its weights unless sleep mode offloads them, and its KV
   cache unless ``free_cache_engine``/sleep mode frees it. The peak is the max over phases.
+* Disaggregated (``actor_rollout_ref.hybrid_engine=false``): two pools, each with its own
+  phases and peak. The trainer pool (``trainer.nnodes x n_gpus_per_node``) runs the same
+  phases less generation, with no vLLM memory at all; a weight sync there stages two of the
+  cross-pool sender's buckets. The rollout pool (``rollout.nnodes x n_gpus_per_node``) holds
+  only vLLM (weights / rollout TP, overhead, KV cache within its budget), plus up to three
+  received buckets while it loads a new version.
 
 Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe side.
 
@@ -72,7 +78,17 @@ from rlhf_megatron.config.roles import (
     megatron_section,
 )
 
-__all__ = ["GIB", "MemoryPlan", "RoleMemory", "RolloutMemory", "format_plan", "plan_memory"]
+__all__ = [
+    "GIB",
+    "ROLLOUT_POOL",
+    "TRAINER_POOL",
+    "MemoryPlan",
+    "Phase",
+    "RoleMemory",
+    "RolloutMemory",
+    "format_plan",
+    "plan_memory",
+]
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -156,10 +172,15 @@ class RolloutMemory:
     bucket: float
 
 
+TRAINER_POOL, ROLLOUT_POOL = "trainer", "rollout"
+
+
 @dataclass
 class Phase:
     name: str
     parts: dict[str, float]
+    pool: str | None = None
+    """The GPUs it runs on when disaggregated (``TRAINER_POOL`` / ``ROLLOUT_POOL``); None when colocated."""
 
     @property
     def total(self) -> float:
@@ -186,7 +207,21 @@ class MemoryPlan:
 
     @property
     def peak(self) -> Phase:
+        """The largest phase on any GPU (of either pool when disaggregated)."""
         return max(self.phases, key=lambda p: p.total)
+
+    def pool_peaks(self) -> dict[str | None, Phase]:
+        """The largest phase of each pool: ``{None: peak}`` colocated, else keyed by
+        ``TRAINER_POOL`` and ``ROLLOUT_POOL``."""
+        peaks: dict[str | None, Phase] = {}
+        for p in self.phases:
+            if p.pool not in peaks or p.total > peaks[p.pool].total:
+                peaks[p.pool] = p
+        return peaks
+
+    def pool_world(self, pool: str | None) -> int:
+        """GPUs of ``pool`` (the whole world when colocated)."""
+        return self.rollout_world if pool == ROLLOUT_POOL and self.rollout_world is not None else self.world
 
     @property
     def fits(self) -> bool:
@@ -444,7 +479,7 @@ def _disaggregated_phases(
 ) -> list[Phase]:
     def phase(name: str, running: str | None, own: float, extra: dict[str, float] | None = None) -> Phase:
         parts = {role: (own if role == running else mem.resident()) for role, mem in roles.items()}
-        return Phase(name, parts | (extra or {}) | {"runtime": runtime})
+        return Phase(name, parts | (extra or {}) | {"runtime": runtime}, TRAINER_POOL)
 
     actor = roles["actor"]
     bucket = min(rollout.bucket, rollout.weights * rollout.tp)  # a bucket never exceeds the model
@@ -462,8 +497,9 @@ def _disaggregated_phases(
     phases.append(phase("actor update", "actor", actor.training_phase()))
     # The rollout pool: vLLM awake the whole time; a sync loads into its weights while the
     # receiver holds up to three buckets (one loading, one queued, one on the wire).
-    phases.append(Phase("rollout: generate", {"vllm": rollout.budget, "runtime": runtime}))
-    phases.append(Phase("rollout: sync", {"vllm": rollout.budget, "stream": 3 * bucket, "runtime": runtime}))
+    vllm = {"vllm": rollout.budget, "runtime": runtime}
+    phases.append(Phase("rollout: generate", vllm, ROLLOUT_POOL))
+    phases.append(Phase("rollout: sync", vllm | {"stream": 3 * bucket}, ROLLOUT_POOL))
     return phases
 
 
@@ -507,8 +543,10 @@ def plan_memory(
     )
     for phase in phases:
         if phase.total > gpu:
+            where = f" of the {phase.pool} pool" if phase.pool else ""
             plan.problems.append(
-                f"{phase.name} needs {phase.total / GIB:.1f} GiB per GPU, more than the {gpu / GIB:.0f} GiB available"
+                f"{phase.name} needs {phase.total / GIB:.1f} GiB per GPU{where}, more than the "
+                f"{gpu / GIB:.0f} GiB available"
             )
     if rollout.sequences < 1:
         plan.problems.append(
@@ -558,24 +596,39 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     lines.append("optim* = with the other use_distributed_optimizer setting; activ* = without the configured")
     lines.append("recompute (or with selective recompute when none is configured). Neither is in the totals.")
     ro = plan.rollout
+    # Consecutive groups of rollout-TP ranks form one engine (a rollout data-parallel replica).
+    where = (
+        "" if plan.rollout_world is None else f", on the rollout pool: {plan.rollout_world // ro.tp} engines"
+    )
     lines += [
         "",
-        f"vLLM (TP{ro.tp}{', on the rollout pool' if plan.rollout_world is not None else ''}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
+        f"vLLM (TP{ro.tp}{where}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
         f"{ro.overhead / GIB:.2f} + KV cache {ro.kv_cache / GIB:.2f} GiB",
         f"  KV cache {ro.kv_bytes_per_token / 1024:.1f} KiB/token -> {ro.sequences} sequences of {ro.sequence_tokens} tokens",
         "",
     ]
     names = list(dict.fromkeys(k for p in plan.phases for k in p.parts))
-    header = f"{'phase':<15}" + "".join(f"{n:>14}" for n in names) + f"{'total':>10}"
+    first = max(15, *(len(p.name) + 1 for p in plan.phases))
+    header = f"{'phase':<{first}}" + "".join(f"{n:>14}" for n in names) + f"{'total':>10}"
     lines += [header, "-" * len(header)]
     for p in plan.phases:
         cells = "".join(f"{_gib(p.parts[n]) if n in p.parts else '-':>14}" for n in names)
-        lines.append(f"{p.name:<15}{cells}{_gib(p.total):>10}")
-    peak = plan.peak
-    lines.append("")
-    lines.append(
-        f"peak: {peak.name}, {peak.total / GIB:.2f} of {plan.gpu_memory / GIB:.0f} GiB "
-        f"({100 * peak.total / plan.gpu_memory:.0f}%) -> {'fits' if plan.fits else 'DOES NOT FIT'}"
-    )
+        lines.append(f"{p.name:<{first}}{cells}{_gib(p.total):>10}")
+    lines += ["", *_format_peaks(plan)]
     lines += [f"  - {p}" for p in plan.problems]
     return "\n".join(lines)
+
+
+def _format_peaks(plan: MemoryPlan) -> list[str]:
+    """``peak: ...`` colocated; one line per pool, then the verdict, when disaggregated."""
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    gpu = plan.gpu_memory
+
+    def share(p: Phase) -> str:
+        return f"{p.name}, {p.total / GIB:.2f} of {gpu / GIB:.0f} GiB ({100 * p.total / gpu:.0f}%)"
+
+    peaks = plan.pool_peaks()
+    if None in peaks:
+        return [f"peak: {share(peaks[None])} -> {verdict}"]
+    lines = [f"peak, {pool} pool ({plan.pool_world(pool)} GPUs): {share(p)}" for pool, p in peaks.items()]
+    return [*lines, f"-> {verdict}"]

@@ -2,8 +2,9 @@
 
 Role: shared vocabulary of ``validate.py``, ``normalize.py``, ``planner.py`` and the trainer:
 the config section of each role, which roles a run builds (``RolePlan``, decided once from
-the estimator registry), the world size, each role's data-parallel size, and the micro-batch key pairs (verl's global ``*micro_batch_size`` and
-``*micro_batch_size_per_gpu``) with the rule that turns one into the other.
+the estimator registry), the world size (and the rollout pool's, when disaggregated), each
+role's data-parallel size, and the micro-batch key pairs (verl's global ``*micro_batch_size``
+and ``*micro_batch_size_per_gpu``) with the rule that turns one into the other.
 
 Boundaries: reads a resolved config; never changes it.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "model_parallel_size",
     "per_gpu_micro_batch",
     "role_plan",
+    "rollout_world_size",
     "world_size",
 ]
 
@@ -89,8 +91,9 @@ def active_roles(cfg: DictConfig) -> list[str]:
 
 
 def world_size(cfg: DictConfig, override: int | None = None) -> int:
-    """Processes in the job: ``override`` if given, else nnodes x n_gpus_per_node. Every
-    role is colocated on all of them (the hybrid engine)."""
+    """The trainer's processes: ``override`` if given, else trainer.nnodes x n_gpus_per_node.
+    Every model role runs on all of them, and so does the rollout unless
+    ``actor_rollout_ref.hybrid_engine`` is false (then see ``rollout_world_size``)."""
     if override is not None:
         return override
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -98,7 +101,8 @@ def world_size(cfg: DictConfig, override: int | None = None) -> int:
 
 def rollout_world_size(cfg: DictConfig, override: int | None = None) -> int:
     """Processes that run the rollout engines: the rollout's own pool when
-    ``actor_rollout_ref.hybrid_engine`` is false, else the trainer's world (``world_size``)."""
+    ``actor_rollout_ref.hybrid_engine`` is false (rollout.nnodes x rollout.n_gpus_per_node),
+    else the trainer's world (``world_size``; ``override`` replaces only that one)."""
     if OmegaConf.select(cfg, "actor_rollout_ref.hybrid_engine", default=True):
         return world_size(cfg, override)
     rollout = cfg.actor_rollout_ref.rollout

@@ -42,13 +42,17 @@ def load_records(run_dir: Path) -> list[dict]:
 
 
 GANTT_STEPS = 3
+"""Steps the Gantt panel shows: enough to see one step's generation overlap the next's training."""
+
+
+def _timed_records(records: list[dict], last_steps: int) -> list[dict]:
+    return [r for r in records if any(k.startswith("timeline/") for k in r)][-last_steps:]
 
 
 def timeline_spans(records: list[dict], last_steps: int = GANTT_STEPS) -> list[tuple[str, str, float, float]]:
     """(role, phase, start_s, end_s) of the last ``last_steps`` steps that logged a timeline."""
-    timed = [r for r in records if any(k.startswith("timeline/") for k in r)][-last_steps:]
     spans = []
-    for r in timed:
+    for r in _timed_records(records, last_steps):
         for key, start in r.items():
             if key.startswith("timeline/") and key.endswith("/start_s"):
                 _, role, phase, _ = key.split("/", 3)
@@ -58,24 +62,52 @@ def timeline_spans(records: list[dict], last_steps: int = GANTT_STEPS) -> list[t
     return spans
 
 
-def _gantt(ax, spans) -> None:
-    import matplotlib.pyplot as plt
+def phase_colours(phases) -> dict[str, tuple]:
+    """One colour per phase, the same in the timings and the Gantt panels: a known phase takes
+    tab10's colour at its place in ``PHASES``; others, in name order, tab20's light shades."""
+    import matplotlib
 
+    known, light = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
+    others = sorted(set(phases) - set(PHASES))
+    return {
+        p: known(PHASES.index(p)) if p in PHASES else light((2 * others.index(p) + 1) % light.N)
+        for p in phases
+    }
+
+
+def _gantt(ax, spans, steps: list[tuple[int, float]]) -> None:
+    """One lane per role (the rollout's on top), a bar per phase; a dotted line where each step begins."""
     roles = sorted({role for role, *_ in spans}, key=lambda r: (r != "rollout", r))
-    colours = plt.get_cmap("tab10")
     phases = [p for p in PHASES if any(s[1] == p for s in spans)]
     phases += sorted({s[1] for s in spans} - set(phases))
-    for i, phase in enumerate(phases):
+    colours = phase_colours(phases)
+    for phase in phases:
         for lane, role in enumerate(roles):
             bars = [(a, b - a) for r, p, a, b in spans if r == role and p == phase]
             if bars:
-                ax.broken_barh(bars, (lane - 0.4, 0.8), color=colours(i % 10), label=phase)
+                ax.broken_barh(bars, (lane - 0.4, 0.8), color=colours[phase], label=phase)
+    for step, begin in steps:
+        ax.axvline(begin, color="grey", linestyle=":", linewidth=0.8)
+        ax.annotate(f"step {step}", (begin, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                    textcoords="offset points", va="top", fontsize=7, color="grey")  # fmt: skip
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=3)
+    ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_yticks(range(len(roles)), roles)
+    ax.set_ylim(len(roles) - 0.5, -0.9)  # lane 0 (the rollout) on top, room above it for step labels
     ax.set_xlabel("seconds since the run started")
-    ax.set_title(f"timeline of the last {GANTT_STEPS} steps")
+    first, last = steps[0][0], steps[-1][0]
+    ax.set_title(f"timeline of step {first}" if first == last else f"timeline of steps {first}-{last}")
+
+
+def _step_starts(records: list[dict]) -> list[tuple[int, float]]:
+    """(step, earliest start_s) of the steps the Gantt panel shows."""
+    out = []
+    for r in _timed_records(records, GANTT_STEPS):
+        starts = [v for k, v in r.items() if k.startswith("timeline/") and k.endswith("/start_s")]
+        if starts:
+            out.append((r.get("step", len(out) + 1), float(min(starts))))
+    return out
 
 
 def _series(records, key):
@@ -83,7 +115,15 @@ def _series(records, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot(records: list[dict], out: Path) -> Path:
+def _legend(ax, **kwargs) -> None:
+    """A legend only where something is labelled (an empty one is a warning and a blank box)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+
+
+def build_figure(records: list[dict]):
+    """The metrics figure: reward, KL, response length, phase timings, and, when the records
+    carry ``timeline/*`` keys, a full-width Gantt row of the last ``GANTT_STEPS`` steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +136,7 @@ def plot(records: list[dict], out: Path) -> Path:
         gs = axes[2][0].get_gridspec()
         for ax in axes[2]:
             ax.remove()
-        _gantt(fig.add_subplot(gs[2, :]), spans)
+        _gantt(fig.add_subplot(gs[2, :]), spans, _step_starts(records))
     panels = [
         (axes[0][0], "reward", ["critic/score/mean", "val/reward_mean"]),
         (axes[0][1], "KL", ["actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty"]),
@@ -109,19 +149,28 @@ def plot(records: list[dict], out: Path) -> Path:
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=key)
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.legend(fontsize=8)
+        _legend(ax, fontsize=8)
     ax = axes[1][1]
     train = [r for r in records if "timing_s/step" in r]
     bottom = [0.0] * len(train)
+    colours = phase_colours(PHASES)
     for phase in PHASES:
         ys = [float(r.get(f"timing_s/{phase}", 0.0)) for r in train]
         if any(ys):
-            ax.bar([r["step"] for r in train], ys, bottom=bottom, label=phase)
+            ax.bar([r["step"] for r in train], ys, bottom=bottom, label=phase, color=colours[phase])
             bottom = [b + y for b, y in zip(bottom, ys)]
     ax.set_title("phase timings (s)")
     ax.set_xlabel("step")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot(records: list[dict], out: Path) -> Path:
+    """Draw ``build_figure(records)`` to ``out`` (PNG), replacing it atomically."""
+    fig = build_figure(records)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=100)
     plt.close(fig)

@@ -11,7 +11,14 @@ from rlhf_megatron import cli
 from rlhf_megatron.config import ConfigError, load_config
 from rlhf_megatron.config.arch import arch_for_role, count_parameters
 from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.planner import GIB, _stage_activations, format_plan, plan_memory
+from rlhf_megatron.config.planner import (
+    GIB,
+    ROLLOUT_POOL,
+    TRAINER_POOL,
+    _stage_activations,
+    format_plan,
+    plan_memory,
+)
 from rlhf_megatron.config.presets import CONFIGS_DIR
 
 MODEL_PRESETS = sorted(p.relative_to(CONFIGS_DIR).as_posix() for p in (CONFIGS_DIR / "models").glob("*.yaml"))
@@ -223,22 +230,48 @@ def test_docs_plan_of_llama_70b_is_current(capsys):
     assert (REPO / "docs" / "plan_llama3.1_70b.txt").read_text() == current
 
 
+OWN_POOL = [
+    "trainer.nnodes=2",
+    "trainer.n_gpus_per_node=8",
+    "actor_rollout_ref.hybrid_engine=false",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+]
+
+
 def test_disaggregated_plan_keeps_vllm_off_the_trainer_pool():
-    base = ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
-    colocated = plan_memory(load_config("models/llama3.1_8b.yaml", base))
-    own_pool = [*base, "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
-                "actor_rollout_ref.rollout.n_gpus_per_node=8"]  # fmt: skip
-    plan = plan_memory(load_config("models/llama3.1_8b.yaml", own_pool))
+    colocated = plan_memory(load_config("models/llama3.1_8b.yaml", OWN_POOL[:2] + OWN_POOL[-1:]))
+    plan = plan_memory(load_config("models/llama3.1_8b.yaml", OWN_POOL))
     assert plan.rollout_world == 8 and plan.world == 16 and colocated.rollout_world is None
-    trainer = {p.name: p for p in plan.phases if not p.name.startswith("rollout:")}
-    rollout = [p for p in plan.phases if p.name.startswith("rollout:")]
+    assert {p.pool for p in colocated.phases} == {None}
+    trainer = {p.name: p for p in plan.phases if p.pool == TRAINER_POOL}
+    rollout = [p for p in plan.phases if p.pool == ROLLOUT_POOL]
     assert "generate" not in trainer and all("vllm" not in p.parts for p in trainer.values())
     assert [p.name for p in rollout] == ["rollout: generate", "rollout: sync"]
     assert all(set(p.parts) <= {"vllm", "stream", "runtime"} for p in rollout)
-    # The actor's update no longer shares its GPU with vLLM's idle memory.
-    update = next(p for p in colocated.phases if p.name == "actor update")
-    assert trainer["actor update"].total <= update.total
-    text = format_plan(plan)
-    assert (
-        "trainer pool 16 GPUs + rollout pool 8 GPUs (disaggregated)" in text and "on the rollout pool" in text
-    )
+    # Each trainer phase is its colocated twin less vLLM's idle memory.
+    for p in colocated.phases:
+        if p.name in trainer:
+            same = {k: v for k, v in trainer[p.name].parts.items() if k != "stream"}
+            assert same == {k: v for k, v in p.parts.items() if k != "vllm"}, p.name
+    peaks = plan.pool_peaks()
+    assert set(peaks) == {TRAINER_POOL, ROLLOUT_POOL}
+    assert peaks[TRAINER_POOL].name == "actor update" and "vllm" not in peaks[TRAINER_POOL].parts
+    # The rollout pool: vLLM's whole budget (weights / rollout TP inside it) and the runtime.
+    arch = _arch("models/llama3.1_8b.yaml")
+    assert plan.rollout.weights == count_parameters(arch).total * 2 / 2
+    assert rollout[0].total == pytest.approx(plan.rollout.budget + 3 * GIB)
+    assert plan.pool_world(ROLLOUT_POOL) == 8 and plan.pool_world(TRAINER_POOL) == 16
+
+
+def test_plan_cli_prints_both_pools(capsys):
+    assert cli.main(["plan", "models/llama3.1_8b", *OWN_POOL]) == 0
+    text = capsys.readouterr().out
+    assert "trainer pool 16 GPUs + rollout pool 8 GPUs (disaggregated)" in text
+    assert "vLLM (TP2, on the rollout pool: 4 engines)" in text
+    assert "peak, trainer pool (16 GPUs): actor update, " in text
+    assert "peak, rollout pool (8 GPUs): rollout: sync, " in text
+    assert text.rstrip().endswith("-> fits")
+    rows = [line for line in text.splitlines() if line.startswith("rollout: ")]
+    assert len({len(r) for r in rows}) == 1  # the phase column is wide enough for the pool prefix

@@ -7,7 +7,7 @@ import warnings
 import pytest
 from cfg_helpers import MOE_ARCH, VALID, make_cfg, write_hf_config
 
-from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, validate_config
+from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, roles, validate_config
 from rlhf_megatron.config import validate as V
 
 A = "actor_rollout_ref.actor"
@@ -551,3 +551,20 @@ def test_disaggregated_rollout_pool_problems_are_named():
 def test_rollout_mode_is_a_choice():
     assert any("trainer.rollout_mode='fast' is not one of: sync, one_step_off, async" in e
                for e in _errors("trainer.rollout_mode=fast"))  # fmt: skip
+
+
+def test_rollout_tp_is_checked_against_the_rollout_pool_when_disaggregated():
+    wide = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4")
+    assert any("does not divide the world size 2" in e for e in _errors(*wide))
+    pool = ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.n_gpus_per_node=4")
+    assert _errors(*wide, *pool) == []
+    assert roles.rollout_world_size(make_cfg(*wide, *pool)) == 4
+    assert roles.rollout_world_size(make_cfg(*wide)) == roles.world_size(make_cfg(*wide)) == 2
+
+
+def test_disaggregated_rollout_pool_needs_gpus_per_node():
+    errors = _errors(*DISAGGREGATED, "actor_rollout_ref.rollout.n_gpus_per_node=0")
+    assert any(
+        e.startswith("actor_rollout_ref.rollout.n_gpus_per_node=0 must be >= 1: the rollout's own pool")
+        for e in errors
+    )

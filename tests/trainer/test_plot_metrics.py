@@ -33,20 +33,36 @@ def test_plot_errors_name_the_file(tmp_path):
 
 
 def test_timeline_records_add_a_gantt_panel_and_old_runs_keep_their_layout(tmp_path):
-    from rlhf_megatron.trainer.plot import plot, timeline_spans
+    import matplotlib.pyplot as plt
+
+    from rlhf_megatron.trainer.plot import build_figure, phase_colours, plot, timeline_spans
 
     rows = [
         {"step": s, "critic/score/mean": s / 10, "timing_s/step": 1.0, "timing_s/gen": 0.5}
         for s in range(1, 5)
     ]
-    old = plot(rows, tmp_path / "old.png")
+    titles = ["reward", "KL", "response length", "phase timings (s)"]
+    old = build_figure(rows)
+    assert [ax.get_title() for ax in old.axes] == titles
+    plt.close(old)
+    old_png = plot(rows, tmp_path / "old.png")
     for r in rows:  # one-step-off: batch k+1 generated while the trainer updates on batch k
         k = r["step"]
         r.update({"timeline/rollout/gen/start_s": k - 0.5, "timeline/rollout/gen/end_s": k + 0.2,
                   "timeline/trainer/update_actor/start_s": k, "timeline/trainer/update_actor/end_s": k + 0.9})  # fmt: skip
     spans = timeline_spans(rows)
     assert len(spans) == 6 and ("rollout", "gen", 3.5, 4.2) in spans  # the last 3 steps
-    new = plot(rows, tmp_path / "new.png")
+    fig = build_figure(rows)
+    gantt = fig.axes[-1]
+    assert [ax.get_title() for ax in fig.axes] == [*titles, "timeline of steps 2-4"]
+    assert [t.get_text() for t in gantt.get_yticklabels()] == ["rollout", "trainer"]
+    assert [t.get_text() for t in gantt.get_legend().get_texts()] == ["gen", "update_actor"]
+    # One bar collection per (role, phase), coloured as the phase is in the timings panel.
+    bars = {c.get_label(): c for c in gantt.collections}
+    assert len(gantt.collections) == 2
+    assert tuple(bars["gen"].get_facecolor()[0]) == phase_colours(["gen"])["gen"]
+    plt.close(fig)
+    new_png = plot(rows, tmp_path / "new.png")
     from PIL import Image
 
-    assert Image.open(new).size[1] > Image.open(old).size[1]  # a third row: the Gantt panel
+    assert Image.open(new_png).size[1] > Image.open(old_png).size[1]  # a third row: the Gantt panel
