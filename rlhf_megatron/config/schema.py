@@ -320,6 +320,15 @@ class TrainerConfig:
     policy that trains on it (``async/staleness_max`` reports the lag). one_step_off with 0 waits
     for every sync, which is the sync schedule. (our extension)"""
 
+    partial_rollout: bool = False
+    """one_step_off and async: a weight sync interrupts the generations in flight instead of
+    waiting for them (async: instead of being put off while two or more are queued). Their
+    finished samples are kept; the others keep the tokens they have and continue under the new
+    weights, so every token's log-prob comes from the policy that sampled it, and a sample's
+    ``weight_version`` is that of its first token. The schedule then follows the clock (where a
+    generation was when the update ended), so a run is not bit-reproducible. vLLM rollout only
+    (verl's fully-async ``async_training.partial_rollout``). (our extension)"""
+
     resume_mode: str = "auto"
     """auto: resume from the newest checkpoint in ``default_local_dir`` if any. disable:
     start fresh. resume_path: resume from ``resume_from_path``. A path (containing '/')

@@ -297,6 +297,24 @@ def check_rollout_placement(ctx: ValidationContext) -> list[str]:
             "trainer.rollout_mode=async with trainer.max_staleness=0 never generates ahead; set "
             "max_staleness >= 1, or use trainer.rollout_mode=sync"
         )
+    if ctx.get("trainer.partial_rollout"):
+        if mode not in ("one_step_off", "async"):
+            out.append(
+                f"trainer.partial_rollout=true interrupts generations that run beside training, but "
+                f"trainer.rollout_mode={mode} generates only between updates; use one_step_off or async, "
+                "or set trainer.partial_rollout=false"
+            )
+        if ctx.get(f"{ROLLOUT}.name") != "vllm":
+            out.append(
+                f"trainer.partial_rollout=true needs {ROLLOUT}.name=vllm (the engine is stepped and "
+                f"interrupted between steps); {ROLLOUT}.name={ctx.get(f'{ROLLOUT}.name')} cannot be"
+            )
+        if ctx.get("actor_rollout_ref.actor.router_replay.mode") == "R3":
+            out.append(
+                "trainer.partial_rollout=true drops the routes vLLM chose for tokens sampled before an "
+                "interruption, which actor_rollout_ref.actor.router_replay.mode=R3 replays; use R2 or turn "
+                "partial rollout off"
+            )
     if hybrid:
         return out
     for key in (f"{ROLLOUT}.nnodes", f"{ROLLOUT}.n_gpus_per_node"):

@@ -23,6 +23,9 @@ tests use them to show that its checks catch a real leak and a real slowdown):
 
 - ``leak:<MiB>``: every actor worker keeps another ``MiB`` of memory per ``actor.update``.
 - ``sync_drift:<ms>``: every ``actor.sync`` sleeps ``ms`` times the number of updates so far.
+- ``rollout_slow:<ms>``: a rollout worker sleeps ``ms`` before every engine step of an
+  interruptible generation (partial rollout's tests: a weight sync then always meets a
+  generation in flight).
 
 ``RLHF_STOP_AFTER_STEP=k`` raises ``StopTraining`` at ``trainer.step_end`` of step ``k``
 (tests simulate a pre-emption with it).
@@ -73,6 +76,13 @@ def _leak(mib: int) -> Handler:
     return handler
 
 
+def _pause(ms: int) -> Handler:
+    def handler(**_) -> None:
+        time.sleep(ms / 1000)
+
+    return handler
+
+
 def _drift(ms: int) -> Handler:
     def handler(step: int, **_) -> None:
         time.sleep(ms * step / 1000)
@@ -117,6 +127,8 @@ def handlers_from_env(env: Mapping[str, str]) -> dict[str, list[Handler]]:
             add("actor.update", _leak(int(entry[1])))
         elif phase == "sync_drift":
             add("actor.sync", _drift(int(entry[1])))
+        elif phase == "rollout_slow":
+            add("rollout.engine_step", _pause(int(entry[1])))
         else:
             raise ValueError(f"{FAULT_ENV}: unknown phase {phase!r} in entry {':'.join(entry)!r}")
     if env.get(STOP_ENV):

@@ -22,6 +22,8 @@ The points, and the context each passes:
   generation; ``step`` counts this process's training generations (1 = the first).
 - ``rollout.sync`` (step, rank): a disaggregated rollout worker starts receiving weight
   version ``step``.
+- ``rollout.engine_step`` (rank): a disaggregated rollout worker is about to run one engine
+  step of an interruptible generation (``trainer.partial_rollout``).
 - ``trainer.save`` (step): in the driver, after the workers wrote a checkpoint, before it
   is committed.
 - ``trainer.step_end`` (step): in the driver, after a step is logged.

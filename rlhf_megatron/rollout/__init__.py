@@ -8,11 +8,18 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_megatron.config.schema import RolloutConfig
-from rlhf_megatron.rollout.base import RolloutEngine, RolloutSampling, assemble_rollout
+from rlhf_megatron.rollout.base import UNFINISHED_KEY, RolloutEngine, RolloutSampling, assemble_rollout
 
 ROLLOUT_NAMES = ("vllm", "hf")
 
-__all__ = ["ROLLOUT_NAMES", "RolloutEngine", "RolloutSampling", "assemble_rollout", "build_rollout_engine"]
+__all__ = [
+    "ROLLOUT_NAMES",
+    "UNFINISHED_KEY",
+    "RolloutEngine",
+    "RolloutSampling",
+    "assemble_rollout",
+    "build_rollout_engine",
+]
 
 
 def build_rollout_engine(name: str, model_path: str, rollout: RolloutConfig, **kwargs: Any) -> RolloutEngine:

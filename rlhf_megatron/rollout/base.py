@@ -15,6 +15,8 @@ prompt 1's, ...), in the layout the rest of the trainer expects (see
 ``rollout_log_probs``  [B*n, R]     the engine's log-prob of each sampled token
 ``routed_experts``     [B*n, P+R,   (vLLM, when asked: routing replay R3) the experts each
                        L, k]        token went to per layer, -1 where none (``assemble_routes``)
+``rollout_unfinished`` [B*n] bool   (partial rollout: a generation interrupted by ``stop``) the
+                                    row was cut short and ``continue_sequences`` finishes it
 =====================  ===========  ==============================================
 
 Every non-tensor column of the input (``data_source``, ``index``, ...) is
@@ -37,6 +39,9 @@ from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.rope_index import extend_positions
+
+UNFINISHED_KEY = "rollout_unfinished"
+"""Per-row bool column of an interrupted generation (partial rollout): the response is cut short."""
 
 
 @dataclass(frozen=True)

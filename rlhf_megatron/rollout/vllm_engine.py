@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rollout.base import (
+    UNFINISHED_KEY,
     RolloutSampling,
     assemble_rollout,
     assemble_routes,
@@ -310,6 +311,8 @@ class VLLMEngine:
         if rollout.limit_images > 0:  # the most images one prompt may carry (vLLM sizes its buffers by it)
             kwargs["limit_mm_per_prompt"] = {"image": rollout.limit_images}
         self.return_routed_experts = return_routed_experts
+        self.tensor_parallel_size = kwargs["tensor_parallel_size"]
+        self.stepped_calls = 0
         if return_routed_experts:
             # Routing replay R3. vLLM captures routes only in its V2 model runner, which needs Triton.
             if not self.on_gpu:
@@ -325,9 +328,16 @@ class VLLMEngine:
         self.unlinked_shm = _unlink_vllm_shm_segments() if torch.distributed.is_initialized() else []
 
     # ------------------------------------------------------------------ generation
-    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch:
-        """Sample ``sampling.n`` responses per prompt; see ``rollout/base.py`` for the layout."""
-        from vllm import SamplingParams
+    def generate_sequences(
+        self, prompts: Batch, sampling: RolloutSampling, stop: Callable[[], bool] | None = None
+    ) -> Batch:
+        """Sample ``sampling.n`` responses per prompt; see ``rollout/base.py`` for the layout.
+
+        With ``stop`` (partial rollout), the engine is stepped here and ``stop()`` is asked before
+        every step; once it answers True the requests still running are aborted and come back
+        unfinished: the tokens and log-probs sampled so far, ``UNFINISHED_KEY`` = 1 on their rows
+        (``continue_sequences`` finishes them, typically under newer weights). Sample ``k`` of
+        prompt ``i`` then draws with seed ``seed + i + k``, as vLLM's own fan-out of ``n`` does."""
         from vllm.inputs import TokensPrompt
 
         if self.sleeping:
@@ -343,26 +353,38 @@ class VLLMEngine:
                     f"it exceeds the engine's max_model_len={self.max_model_len} "
                     "(data.max_prompt_length + data.max_response_length)"
                 )
-
-        def params(row: int) -> SamplingParams:
-            return SamplingParams(
-                n=sampling.n,
-                temperature=0.0 if sampling.greedy else sampling.temperature,
-                top_p=1.0 if sampling.greedy else sampling.top_p,
-                top_k=0 if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
-                max_tokens=sampling.response_length,
-                ignore_eos=sampling.ignore_eos,
-                logprobs=0,
-                detokenize=False,
-                seed=None if sampling.seed is None else sampling.seed + row,
-                logit_bias=self.logit_bias,
-            )
-
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
         for request, row_images in zip(requests, images or []):
             if row_images:
                 request["multi_modal_data"] = {"image": row_images}
-        outputs = self.llm.generate(requests, [params(i) for i in range(len(requests))], use_tqdm=False)
+        if stop is not None:
+            if self.return_routed_experts:
+                raise ValueError(
+                    "trainer.partial_rollout cannot keep the experts vLLM routed the tokens sampled before an "
+                    "interruption; use actor_rollout_ref.actor.router_replay.mode R2 or turn partial rollout off"
+                )
+            seed = sampling.seed
+            fanned = [
+                (request, self._sampling_params(sampling, 1, None if seed is None else seed + row + k))
+                for row, request in enumerate(requests)
+                for k in range(sampling.n)
+            ]
+            samples = self._step(fanned, stop)
+            batch = assemble_rollout(
+                prompts,
+                [s[0] for s in samples],
+                [s[1] for s in samples],
+                sampling.n,
+                sampling.response_length,
+                self.pad_token_id,
+            )
+            batch[UNFINISHED_KEY] = torch.tensor([not s[2] for s in samples], dtype=torch.bool)
+            return batch
+        params = [
+            self._sampling_params(sampling, sampling.n, None if sampling.seed is None else sampling.seed + i)
+            for i in range(len(requests))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses, log_probs, routes = [], [], []
         for out in outputs:
             if len(out.outputs) != sampling.n:
@@ -383,6 +405,121 @@ class VLLMEngine:
             # The actor replays them (models.routing_replay).
             batch["routed_experts"] = assemble_routes(routes, lengths, width, sampling.response_length)
         return batch
+
+    def continue_sequences(
+        self, batch: Batch, sampling: RolloutSampling, stop: Callable[[], bool] | None = None
+    ) -> Batch:
+        """Finish the rows of ``batch`` (a ``generate_sequences(..., stop=...)`` result) whose
+        ``UNFINISHED_KEY`` is set: each continues from its prompt and the tokens it has, for the
+        response length left, with the engine's current weights; its new tokens and log-probs are
+        appended in place. Finished rows pass through. ``stop`` may interrupt again, leaving rows
+        unfinished. ``sampling.seed`` (offset by the row and its length so far) seeds each row."""
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.continue_sequences called while asleep; call wake_up() first")
+        if UNFINISHED_KEY not in batch.tensor_keys:
+            raise ValueError(
+                f"continue_sequences needs the {UNFINISHED_KEY!r} column of an interrupted generation"
+            )
+        rows = batch[UNFINISHED_KEY].nonzero().flatten().tolist()
+        out = batch.select()  # new columns to append into; the input stays as it was
+        for key in ("responses", "response_mask", "rollout_log_probs", "input_ids", "attention_mask"):
+            out[key] = out[key].clone()
+        width, room = batch["prompts"].shape[1], batch["responses"].shape[1]
+        lengths = batch["response_mask"].sum(-1).tolist()
+        prompt_ids = (
+            prompt_token_lists(batch)
+            if "raw_prompt_ids" in batch.non_tensor_keys
+            else [
+                row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["attention_mask"][:, :width])
+            ]
+        )
+        images = prompt_images(batch)
+        requests = []
+        for row in rows:
+            have = int(lengths[row])
+            request = TokensPrompt(prompt_token_ids=prompt_ids[row] + batch["responses"][row, :have].tolist())
+            if images and images[row]:
+                request["multi_modal_data"] = {"image": images[row]}
+            seed = None if sampling.seed is None else (sampling.seed + row + 100_003 * (have + 1)) % 2**31
+            left = RolloutSampling(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                do_sample=sampling.do_sample,
+                ignore_eos=sampling.ignore_eos,
+                response_length=max(room - have, 1),
+            )
+            requests.append((request, self._sampling_params(left, 1, seed)))
+        unfinished = out[UNFINISHED_KEY].clone()
+        for row, (tokens, lps, done) in zip(rows, self._step(requests, stop)):
+            have = int(lengths[row])
+            new = min(len(tokens), room - have)
+            if new:
+                span = slice(have, have + new)
+                out["responses"][row, span] = torch.as_tensor(tokens[:new], dtype=torch.long)
+                out["rollout_log_probs"][row, span] = torch.as_tensor(lps[:new], dtype=torch.float32)
+                out["response_mask"][row, span] = 1
+            unfinished[row] = not done and have + new < room
+        out["input_ids"][:, width:] = out["responses"]
+        out["attention_mask"][:, width:] = out["response_mask"].to(out["attention_mask"].dtype)
+        out[UNFINISHED_KEY] = unfinished
+        return out
+
+    def _sampling_params(self, sampling: RolloutSampling, n: int, seed: int | None):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=0 if sampling.greedy or sampling.top_k == -1 else sampling.top_k,
+            max_tokens=sampling.response_length,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            seed=seed,
+            logit_bias=self.logit_bias,
+        )
+
+    def _step(
+        self, requests: list, stop: Callable[[], bool] | None
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """Run ``(prompt, SamplingParams with n=1)`` requests by stepping the engine, asking ``stop``
+        before each step (every TP rank of the engine follows its rank 0's answer, so all stop at the
+        same step); returns each request's (tokens, log-probs, finished), in order."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        self.stepped_calls += 1
+        ids = [f"rlhf-{self.stepped_calls}-{i}" for i in range(len(requests))]
+        state = {rid: ([], [], [False]) for rid in ids}
+        for rid, (prompt, params) in zip(ids, requests):
+            params.output_kind = RequestOutputKind.DELTA
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            if stop is not None and self._agree(stop()):
+                engine.abort_request([rid for rid in ids if not state[rid][2][0]])
+                while engine.has_unfinished_requests():  # let the engine retire what it aborted
+                    engine.step()
+                break
+            for out in engine.step():
+                tokens, lps, done = state[out.request_id]
+                sample = out.outputs[0]
+                new = list(sample.token_ids)
+                tokens.extend(new)
+                lps.extend(step[tok].logprob for tok, step in zip(new, sample.logprobs or []))
+                done[0] = out.finished
+        return [(tokens, lps, done[0]) for tokens, lps, done in (state[rid] for rid in ids)]
+
+    def _agree(self, stop: bool) -> bool:
+        """The engine's TP rank 0's ``stop`` on every rank of its TP group (one process: ``stop``)."""
+        if self.tensor_parallel_size == 1:
+            return bool(stop)
+        from vllm.distributed import get_tp_group
+
+        return bool(get_tp_group().broadcast_object(bool(stop), src=0))
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

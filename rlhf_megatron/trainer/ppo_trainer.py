@@ -74,6 +74,7 @@ class PPOTrainer:
         *,
         actor,
         rollout=None,
+        interrupts=None,
         critic,
         reward_model,
         reward_fn,
@@ -87,12 +88,14 @@ class PPOTrainer:
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
         leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
-        the actor's processes generate); ``n_params`` is the actor's parameters per token (active,
+        the actor's processes generate); ``interrupts`` its ``InterruptSignal`` when
+        ``trainer.partial_rollout`` is on; ``n_params`` is the actor's parameters per token (active,
         for MoE), for MFU."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
         self.rollout = rollout
+        self.interrupts = interrupts
         self.rollout_group = rollout if rollout is not None else actor
         self.critic_warmup = run.trainer.critic_warmup
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
@@ -112,7 +115,9 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, Any]]:
         trainer = self.cfg.trainer
         self.t0 = time.time()
-        self.rollouts = RolloutScheduler(self, self._batches(), self.staleness())
+        self.rollouts = RolloutScheduler(
+            self, self._batches(), self.staleness(), partial=self.interrupts is not None
+        )
         self.resume()
         self.rollouts.restore(self._restored_queue)
         try:
@@ -248,10 +253,18 @@ class PPOTrainer:
         return self.finish_generate(self.submit_generate(prompts, seed, validate=validate, greedy=greedy))
 
     def submit_generate(
-        self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False
+        self,
+        prompts: Batch,
+        seed: int,
+        validate: bool = False,
+        greedy: bool = False,
+        interrupt_epoch: int | None = None,
     ) -> PendingCall:
-        """Start generating: prompts padded to the rollout DP size (``finish_generate`` drops the padding)."""
+        """Start generating: prompts padded to the rollout DP size (``finish_generate`` drops the padding).
+        ``interrupt_epoch`` (partial rollout): the generation stops early once ``interrupt_rollout``
+        raises the signal past it."""
         padded, pad = prompts.pad_to_divisor(self.rollout_group.dp_size("rollout"))
+        extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
         pending = self.rollout_group.submit(
             "generate_sequences",
             padded,
@@ -260,9 +273,29 @@ class PPOTrainer:
             seed=seed,
             dispatch="dp_compute",
             layout="rollout",
+            **extra,
         )
         pending.pad, pending.rows = pad, len(padded)
         return pending
+
+    def submit_continue(self, batch: Batch, seed: int, interrupt_epoch: int) -> PendingCall:
+        """Partial rollout: finish an interrupted generation's unfinished rows with the rollout's
+        current weights (``finish_generate`` collects it)."""
+        padded, pad = batch.pad_to_divisor(self.rollout_group.dp_size("rollout"))
+        pending = self.rollout_group.submit(
+            "continue_sequences",
+            padded,
+            seed=seed,
+            interrupt_epoch=interrupt_epoch,
+            dispatch="dp_compute",
+            layout="rollout",
+        )
+        pending.pad, pending.rows = pad, len(padded)
+        return pending
+
+    def interrupt_rollout(self) -> int:
+        """Stop the generations in flight at their next engine step (partial rollout); the new epoch."""
+        return self.interrupts.raise_()
 
     def finish_generate(
         self, pending: PendingCall, prompts: Batch | None = None, version: int | None = None

@@ -20,6 +20,14 @@ The one rule, with ``s`` the staleness bound (``trainer.max_staleness``; 0 for
 - a batch whose lag exceeds ``s`` when its step comes is dropped and counted
   (``async/dropped_samples``) and its step regenerated.
 
+Partial rollout (``trainer.partial_rollout``): a sync never waits for a generation in flight
+and is never put off. The trainer raises the interrupt signal, the running generations stop
+at their next engine step and return what they have, the rollout receives the weights, and
+every unfinished row continues from its tokens under the new weights (``submit_continue``).
+A row's ``weight_version`` is its first token's, so the lag bound still holds; the rows
+continued are counted per step (``async/partial_samples``). Where a generation stood when
+the update ended depends on the clock, so such a run is not bit-reproducible.
+
 So ``s = 0`` is the sync schedule exactly (same batches, seeds and weights), and
 ``s = 1`` overlaps the generation of batch ``k+1`` with the update on batch ``k``.
 Checkpoints and validation are sync points: queued generations finish and the
@@ -37,8 +45,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.rollout.base import UNFINISHED_KEY
 
 VERSION_KEY = "weight_version"
 
@@ -62,13 +72,22 @@ class _Generation:
     pending: Any = None
     """The rollout group's ``PendingCall``; None once ``batch`` is in."""
     batch: Batch | None = None
+    started: float | None = None
+    """Wall-clock start of the first call (a continued generation spans several)."""
+    continued: torch.Tensor | None = None
+    """Partial rollout: the rows that were interrupted and continued at least once."""
+    seed: int = 0
 
 
 class RolloutScheduler:
     """Submits generations ahead of training within the staleness bound and syncs the rollout."""
 
-    def __init__(self, trainer, prompts: Iterator[Batch], staleness: int):
+    def __init__(self, trainer, prompts: Iterator[Batch], staleness: int, partial: bool = False):
         self.trainer = trainer
+        self.partial = partial
+        self.epoch = 0
+        """Partial rollout: the interrupt signal's count (only this scheduler raises it)."""
+        self.interrupts = 0
         self.prompts = prompts
         self.staleness = staleness
         self.queue: deque[_Generation] = deque()
@@ -82,8 +101,9 @@ class RolloutScheduler:
         prompts = next(self.prompts)
         # The GRPO-family estimators group responses by this per-prompt uid (unique per step).
         prompts["uid"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
-        gen = _Generation(step, prompts)
-        gen.pending = t.submit_generate(prompts, seed=t.seeds.generation(step))
+        gen = _Generation(step, prompts, seed=t.seeds.generation(step))
+        epoch = self.epoch if self.partial else None
+        gen.pending = t.submit_generate(prompts, seed=gen.seed, interrupt_epoch=epoch)
         self.queue.append(gen)
 
     def _fill(self, current: int) -> None:
@@ -98,7 +118,27 @@ class RolloutScheduler:
         if gen.batch is None:
             gen.batch = self.trainer.finish_generate(gen.pending, gen.prompts, self.rollout_version)
             gen.pending = None
+            if gen.started is None:
+                gen.started = gen.batch.meta_info.get("gen_start")
+            elif "gen_start" in gen.batch.meta_info:
+                gen.batch.meta_info["gen_start"] = gen.started
         return gen.batch
+
+    def _continue(self) -> None:
+        """Partial rollout, after a sync: resubmit every queued generation that was cut short."""
+        for n, gen in enumerate(self.queue):
+            batch = gen.batch
+            if (
+                batch is None
+                or UNFINISHED_KEY not in batch.tensor_keys
+                or not bool(batch[UNFINISHED_KEY].any())
+            ):
+                continue
+            unfinished = batch[UNFINISHED_KEY]
+            gen.continued = unfinished.clone() if gen.continued is None else gen.continued | unfinished
+            seed = gen.seed + 7919 * (self.interrupts + n)
+            gen.pending = self.trainer.submit_continue(batch, seed=seed, interrupt_epoch=self.epoch)
+            gen.batch = None
 
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """The generated batch of ``step`` (waiting for it), and the step's ``async/*`` metrics."""
@@ -116,6 +156,12 @@ class RolloutScheduler:
                     f"rollout scheduler: expected the batch of step {step}, got step {gen.step}"
                 )
             batch = self._finish(gen)
+            if UNFINISHED_KEY in batch.tensor_keys:
+                if bool(batch[UNFINISHED_KEY].any()):
+                    raise RuntimeError(
+                        f"rollout scheduler: the batch of step {step} still holds unfinished rows"
+                    )
+                batch.pop([UNFINISHED_KEY])
             lag = trained_by - batch[VERSION_KEY]
             if int(lag.max()) <= self.staleness:
                 break
@@ -126,7 +172,14 @@ class RolloutScheduler:
             self.queue.clear()
         self._fill(step)  # keep the rollout busy while this step trains
         lag = lag.float()
+        partial = (
+            {"async/partial_samples": float(0 if gen.continued is None else gen.continued.sum()),
+             "async/interrupts": float(self.interrupts)}
+            if self.partial
+            else {}
+        )  # fmt: skip
         return batch, {
+            **partial,
             "async/staleness_mean": float(lag.mean()),
             "async/staleness_max": float(lag.max()),
             "async/dropped_samples": float(self.dropped),
@@ -140,7 +193,7 @@ class RolloutScheduler:
         """Sync the rollout to the weights after ``step`` unless two or more generations are still queued
         (then the rollout has work, and the weights go over after the next update)."""
         version = actor_version(step, self.trainer.critic_warmup)
-        if version == self.rollout_version or len(self.queue) > 1:
+        if version == self.rollout_version or (len(self.queue) > 1 and not self.partial):
             return {}
         return self.sync(version)
 
@@ -148,12 +201,17 @@ class RolloutScheduler:
         """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order)."""
         if version == self.rollout_version:
             return {}
+        if self.partial and any(gen.batch is None for gen in self.queue):
+            self.epoch = self.trainer.interrupt_rollout()  # they return at their next engine step
+            self.interrupts += 1
         # The rollout receives after its queued generations anyway; waiting for them here first
         # costs nothing and blames a failure on the call that met it (a generation, not the sync).
         for gen in self.queue:
             self._finish(gen)
         metrics = self.trainer.push_weights(version)
         self.rollout_version = version
+        if self.partial:
+            self._continue()
         return metrics
 
     def drain(self, version: int) -> dict[str, float]:

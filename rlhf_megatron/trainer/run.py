@@ -160,6 +160,7 @@ def _worker_groups(run: RunConfig, context: RunContext):
         raise
     if starting is not None:
         starting.result()
+    sync_address = None
     if "rollout" in groups:
         actor, rollout_group = groups["actor"], groups["rollout"]
         route = CrossPoolRoute.of(rollout_group.world_size)
@@ -170,7 +171,8 @@ def _worker_groups(run: RunConfig, context: RunContext):
                 rollout_group.submit("join_sync_group", host, port, route),
             ]
         )
-    return pools, groups
+        sync_address = (host, port)
+    return pools, groups, sync_address
 
 
 def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -208,12 +210,18 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     )
     pools, groups = [], None
     try:
-        pools, groups = _worker_groups(run, context)
+        pools, groups, sync_address = _worker_groups(run, context)
+        interrupts = None
+        if run.trainer.partial_rollout and sync_address is not None:
+            from rlhf_megatron.workers.rollout import InterruptSignal
+
+            interrupts = InterruptSignal.connect(*sync_address)
         trainer = PPOTrainer(
             run,
             context,
             actor=groups["actor"],
             rollout=groups.get("rollout"),
+            interrupts=interrupts,
             critic=groups.get("critic"),
             reward_model=groups.get("reward_model"),
             reward_fn=reward_fn,

@@ -12,12 +12,20 @@ it every new version of the weights over a process group spanning both pools
 produced it (the ``weight_version`` column: what the trainer's staleness bounds and
 metrics read). A worker runs one call at a time, so a sync never lands in the middle
 of a generation; a sync that fails half-way marks the engine unusable.
+
+Partial rollout (``trainer.partial_rollout``): the driver raises ``InterruptSignal``, a
+counter in the cross-pool group's TCP store, before a sync. A generation submitted under
+an older count stops at its next engine step and returns its unfinished rows
+(``UNFINISHED_KEY``); after the sync, ``continue_sequences`` finishes them with the new
+weights. A row keeps the ``weight_version`` of its first token (an empty row takes the
+version that continues it).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 
@@ -25,12 +33,46 @@ from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import fault_point
-from rlhf_megatron.rollout import RolloutEngine, RolloutSampling, build_rollout_engine
+from rlhf_megatron.rollout import UNFINISHED_KEY, RolloutEngine, RolloutSampling, build_rollout_engine
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, receive_buckets
 from rlhf_megatron.workers.base import Worker
 
 VERSION_KEY = "weight_version"
 """Per-row int64 column: how many actor updates the weights that generated the row had seen."""
+
+
+class InterruptSignal:
+    """A counter in the cross-pool store that stops generations in flight (partial rollout).
+
+    The driver ``raise_()``s it before a weight sync; a generation submitted when the count was
+    ``epoch`` stops once the count is past it (``stop_after(epoch)``, asked before every engine
+    step). Only the driver writes it, so it knows the count without asking."""
+
+    KEY = "rollout/interrupt_epoch"
+
+    def __init__(self, store):
+        self.store = store
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout_s: float = 600.0) -> InterruptSignal:
+        """The driver's client of the store the trainer's rank 0 hosts (``open_sync_group``)."""
+        import torch.distributed as dist
+
+        return cls(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
+
+    def epoch(self) -> int:
+        return int(self.store.add(self.KEY, 0))
+
+    def raise_(self) -> int:
+        """Stop every generation submitted so far; returns the new count."""
+        return int(self.store.add(self.KEY, 1))
+
+    def stop_after(self, epoch: int, rank: int):
+        def stop() -> bool:
+            fault_point("rollout.engine_step", rank=rank)
+            return self.epoch() > epoch
+
+        return stop
 
 
 def build_engine(
@@ -138,28 +180,61 @@ class RolloutWorker(Worker):
         )
 
     def generate_sequences(
-        self, prompts: Batch, validate: bool = False, greedy: bool = False, seed: int | None = None
+        self,
+        prompts: Batch,
+        validate: bool = False,
+        greedy: bool = False,
+        seed: int | None = None,
+        interrupt_epoch: int | None = None,
     ) -> Batch:
         """Like the colocated actor's; every row also records ``weight_version``, and the batch's
-        ``meta_info`` the generation's wall-clock ``gen_start``/``gen_end`` (the trainer's timeline)."""
+        ``meta_info`` the generation's wall-clock ``gen_start``/``gen_end`` (the trainer's timeline).
+        With ``interrupt_epoch`` (partial rollout) it stops early once ``InterruptSignal`` is past it."""
         if not (validate or greedy):
             self.generations += 1
             fault_point("rollout.generate", step=self.generations, rank=self.rank)
         if self.broken:
             raise RuntimeError(f"[rollout] rank {self.rank}: refusing to generate: {self.broken}")
         start = time.time()
-        out = sample(
-            self.engine,
-            self.section,
-            prompts,
-            self.rank // self.rollout_tp,
-            validate=validate,
-            greedy=greedy,
-            seed=seed,
-        )
+        replica = self.rank // self.rollout_tp
+        if interrupt_epoch is None:
+            out = sample(
+                self.engine, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
+            )
+        else:
+            if seed is not None:
+                seed = seed + replica * len(prompts)  # as ``sample`` offsets it
+            sampling = RolloutSampling.from_config(
+                self.section.rollout, validate=validate, greedy=greedy, seed=seed
+            )
+            self.engine.wake_up()
+            out = self.engine.generate_sequences(prompts, sampling, stop=self._stop(interrupt_epoch))
+            self.engine.sleep()
         out[VERSION_KEY] = torch.full((len(out),), self.version, dtype=torch.int64)
         out.meta_info.update(gen_start=start, gen_end=time.time())
         return out
+
+    def continue_sequences(self, batch: Batch, seed: int | None, interrupt_epoch: int) -> Batch:
+        """Finish the unfinished rows of an interrupted generation with the current weights (see
+        ``VLLMEngine.continue_sequences``); a row that had no token yet takes this version."""
+        if self.broken:
+            raise RuntimeError(f"[rollout] rank {self.rank}: refusing to generate: {self.broken}")
+        start = time.time()
+        if seed is not None:
+            seed = seed + (self.rank // self.rollout_tp) * len(batch)
+        sampling = RolloutSampling.from_config(self.section.rollout, seed=seed)
+        empty = batch[UNFINISHED_KEY] & (batch["response_mask"].sum(-1) == 0)
+        self.engine.wake_up()
+        out = self.engine.continue_sequences(batch, sampling, stop=self._stop(interrupt_epoch))
+        self.engine.sleep()
+        out[VERSION_KEY] = torch.where(empty, self.version, batch[VERSION_KEY])
+        out.meta_info.update(gen_start=start, gen_end=time.time())
+        return out
+
+    def _stop(self, epoch: int):
+        if self.sync_group is None:
+            raise RuntimeError(f"[rollout] rank {self.rank}: partial rollout needs join_sync_group first")
+        return InterruptSignal(self.sync_group.store).stop_after(epoch, self.rank)
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """Load the weights the trainer's rank 0 streams (``ActorRolloutRefWorker.send_weights``)."""

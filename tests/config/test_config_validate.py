@@ -568,3 +568,13 @@ def test_disaggregated_rollout_pool_needs_gpus_per_node():
         e.startswith("actor_rollout_ref.rollout.n_gpus_per_node=0 must be >= 1: the rollout's own pool")
         for e in errors
     )
+
+
+def test_partial_rollout_needs_an_overlapping_mode_and_a_vllm_rollout():
+    assert _errors(*DISAGGREGATED, "trainer.rollout_mode=async", "trainer.partial_rollout=true") == []
+    text = "\n".join(_errors("trainer.partial_rollout=true"))
+    assert "trainer.partial_rollout=true interrupts generations that run beside training, but " \
+           "trainer.rollout_mode=sync generates only between updates" in text  # fmt: skip
+    text = "\n".join(_errors(*DISAGGREGATED, "trainer.rollout_mode=one_step_off", "trainer.partial_rollout=true",
+                             "actor_rollout_ref.rollout.name=hf"))  # fmt: skip
+    assert "trainer.partial_rollout=true needs actor_rollout_ref.rollout.name=vllm" in text

@@ -87,13 +87,44 @@ def _vllm_generate_and_refit(rank, world_size, model_path):
     err_after = (
         ((out2["rollout_log_probs"] - _hf_log_probs(hf, out2)).abs() * out2["response_mask"]).max().item()
     )
+    partial = _vllm_partial_rollout(engine, hf)  # perturbs the weights again, in both
     greedy = RolloutSampling(do_sample=False, response_length=4)
     vllm_greedy = engine.generate_sequences(_prompt_batch(PROMPTS), greedy)["responses"]
     engine.shutdown()
     hf_engine = build_rollout_engine("hf", model_path, RolloutConfig(), pad_token_id=0, eos_token_id=2)
     hf_engine.update_weights((n, p.detach().clone()) for n, p in hf.named_parameters())
     hf_greedy = hf_engine.generate_sequences(_prompt_batch(PROMPTS), greedy)["responses"]
-    return {"out": out, "err_before": err_before, "err_after": err_after, "greedy": (vllm_greedy, hf_greedy)}
+    return {"out": out, "err_before": err_before, "err_after": err_after, "greedy": (vllm_greedy, hf_greedy),
+            "partial": partial}  # fmt: skip
+
+
+def _vllm_partial_rollout(engine, hf):
+    """Partial rollout on one engine: stepped generation, interrupted after 3 engine steps, new
+    weights, continued; each token's log-prob is checked against the weights that sampled it."""
+    import copy
+
+    from rlhf_megatron.rollout import UNFINISHED_KEY
+
+    sampling = RolloutSampling(n=2, temperature=1.0, response_length=RESPONSE_LEN, seed=11)
+    plain = engine.generate_sequences(_prompt_batch(PROMPTS), sampling)
+    never = engine.generate_sequences(_prompt_batch(PROMPTS), sampling, stop=lambda: False)
+    asked = []
+
+    def after_three_steps():
+        asked.append(1)
+        return len(asked) > 3
+
+    cut = engine.generate_sequences(_prompt_batch(PROMPTS), sampling, stop=after_three_steps)
+    old = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights((n, p.detach().clone()) for n, p in hf.named_parameters())
+    done = engine.continue_sequences(cut, sampling)
+    return {
+        "plain": plain, "never": never, "cut": cut, "done": done, "unfinished_key": UNFINISHED_KEY,
+        "old_lp": _hf_log_probs(old, done), "new_lp": _hf_log_probs(hf, done),
+    }  # fmt: skip
 
 
 @pytest.mark.slow
@@ -105,6 +136,34 @@ def test_vllm_engine_layout_logprobs_and_refit(tiny_llama):
     vllm_greedy, hf_greedy = res["greedy"]
     assert vllm_greedy.shape == (len(PROMPTS), 4)
     assert torch.equal(vllm_greedy, hf_greedy), "refit vLLM and transformers disagree on greedy tokens"
+    _check_partial_rollout(res["partial"])
+
+
+def _check_partial_rollout(res):
+    key, plain, never, cut, done = res["unfinished_key"], res["plain"], res["never"], res["cut"], res["done"]
+    # Stepping the engine ourselves samples exactly what vLLM's own generate does.
+    assert torch.equal(never["responses"], plain["responses"])
+    assert torch.equal(never["rollout_log_probs"], plain["rollout_log_probs"])
+    assert not never[key].any()
+    # Interrupted after three engine steps (prefill + 2 decodes): three tokens, unless EOS came first.
+    lengths = cut["response_mask"].sum(-1)
+    assert cut[key].any() and (lengths <= 3).all()
+    assert torch.equal(cut[key], lengths == 3), "a row is unfinished iff it was cut, not ended by EOS"
+    _check_layout(done, n=2)
+    assert not done[key].any()
+    kept = cut["response_mask"]
+    assert torch.equal(done["responses"] * kept, cut["responses"] * kept), (
+        "the tokens before the cut are kept"
+    )
+    # Each token's log-prob is that of the weights that sampled it: the old ones before the cut,
+    # the new ones after (checked against transformers under both).
+    before = cut["response_mask"].bool()
+    after = done["response_mask"].bool() & ~before
+    assert after.any(), "no row was continued"
+    lp = done["rollout_log_probs"]
+    assert (lp - res["old_lp"]).abs()[before].max() < 1e-4
+    assert (lp - res["new_lp"]).abs()[after].max() < 1e-4
+    assert (res["old_lp"] - res["new_lp"]).abs()[after].max() > 1e-3, "the new weights must differ to tell"
 
 
 def test_hf_engine_layout_and_logprobs(tiny_llama):

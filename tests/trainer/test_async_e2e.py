@@ -23,7 +23,7 @@ def _stable(records):
 
 def _run(inputs, run_dir, env=None, **extra):
     proc, records = run_train(
-        "quickstart_cpu", train_overrides(inputs, run_dir, **DISAGGREGATED, **extra), env=env
+        "quickstart_cpu", train_overrides(inputs, run_dir, **{**DISAGGREGATED, **extra}), env=env
     )
     return proc, records
 
@@ -148,3 +148,35 @@ def test_rollout_worker_killed_mid_generation_is_reported_by_name(tiny_run_input
         proc.stderr[-3000:]
     )
     assert not Path(tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(tiny_run_inputs, tmp_path):
+    """async, max_staleness=2, partial rollout, the rollout one vLLM engine at TP=2 on two processes
+    (both must stop at the same engine step). Every engine step is slowed to 0.3 s (a generation
+    then outlasts a training step), so each sync meets a generation in flight: it is interrupted,
+    the weights go over, and its unfinished samples continue under them."""
+    proc, records = _run(
+        tiny_run_inputs,
+        tmp_path / "run",
+        env={"RLHF_FAULT": "rollout_slow:300"},
+        **{
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+            "actor_rollout_ref.rollout.n_gpus_per_node": 2,
+            "trainer.rollout_mode": "async",
+            "trainer.max_staleness": 2,
+            "trainer.partial_rollout": True,
+            "trainer.total_training_steps": 4,
+            "algorithm.rollout_correction.rollout_is": "token",
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    interrupts = [r["async/interrupts"] for r in records]
+    assert interrupts == sorted(interrupts) and interrupts[-1] >= 2, interrupts
+    assert sum(r["async/partial_samples"] for r in records) > 0, "no sample was continued across a sync"
+    # Never put off while generations are queued: the rollout holds the newest weights each step.
+    assert [r["async/rollout_version"] for r in records] == [0.0, 1.0, 2.0, 3.0]
+    # A sample's version is its first token's: the bound still holds and nothing is dropped.
+    assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
+    for r in records:  # whole responses, every token with a rollout log-prob
+        assert 1 <= r["response_length/max"] <= 8 and r["rollout_corr/rollout_is_eff_sample_size"] > 0

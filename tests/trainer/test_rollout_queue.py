@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.rollout.base import UNFINISHED_KEY
 from rlhf_megatron.trainer.rollout_queue import VERSION_KEY, RolloutScheduler, actor_version, can_start
 
 
@@ -34,7 +35,7 @@ class _Trainer:
 
         self.seeds = Seeds()
 
-    def submit_generate(self, prompts, seed):
+    def submit_generate(self, prompts, seed, interrupt_epoch=None):
         self.events.append(("gen", seed, self.rollout_holds))
         return _Done(Batch.from_dict({VERSION_KEY: torch.full((len(prompts),), self.rollout_holds)}))
 
@@ -124,3 +125,59 @@ def test_drain_leaves_the_rollout_at_the_newest_version(staleness):
     sched.drain(2)
     assert trainer.rollout_holds == 2 and sched.rollout_version == 2
     assert all(g.batch is not None for g in sched.queue)
+
+
+class _Running:
+    """A generation that runs until its result is asked for, unless interrupted first."""
+
+    def __init__(self, trainer, rows, version, epoch):
+        self.trainer, self.rows, self.version, self.epoch = trainer, rows, version, epoch
+
+    def result(self):
+        cut = self.trainer.epoch > self.epoch
+        return Batch.from_dict({VERSION_KEY: torch.full((self.rows,), self.version),
+                                UNFINISHED_KEY: torch.full((self.rows,), cut)})  # fmt: skip
+
+
+class _PartialTrainer(_Trainer):
+    """The recorder with partial rollout: generations are cut short by ``interrupt_rollout``."""
+
+    def __init__(self, total):
+        super().__init__(total)
+        self.epoch = 0
+
+    def submit_generate(self, prompts, seed, interrupt_epoch=None):
+        assert interrupt_epoch == self.epoch, "a generation must be submitted under the current epoch"
+        self.events.append(("gen", seed, self.rollout_holds))
+        return _Running(self, len(prompts), self.rollout_holds, interrupt_epoch)
+
+    def interrupt_rollout(self):
+        self.epoch += 1
+        self.events.append(("interrupt",))
+        return self.epoch
+
+    def submit_continue(self, batch, seed, interrupt_epoch):
+        assert bool(batch[UNFINISHED_KEY].all()) and interrupt_epoch == self.epoch
+        self.events.append(("continue", self.rollout_holds))
+        return _Running(self, len(batch), int(batch[VERSION_KEY][0]), interrupt_epoch)
+
+
+def test_partial_rollout_interrupts_at_every_sync_and_continues_under_the_new_weights():
+    trainer = _PartialTrainer(total=5)
+    sched = RolloutScheduler(trainer, _prompts(), staleness=2, partial=True)
+    records = []
+    for step in range(1, 6):
+        batch, metrics = sched.take(step)
+        assert UNFINISHED_KEY not in batch.tensor_keys, "the trainer never sees the partial-rollout column"
+        records.append(metrics)
+        sched.after_update(step)
+    syncs = [e[1] for e in trainer.events if e[0] == "sync"]
+    assert syncs == [1, 2, 3, 4, 5], "with partial rollout no sync is put off"
+    # Each sync with generations in flight interrupts them first and continues them after.
+    for i, event in enumerate(trainer.events):
+        if event[0] == "interrupt":
+            assert trainer.events[i + 1][0] == "sync" and trainer.events[i + 2][0] == "continue"
+            assert trainer.events[i + 2][1] == trainer.events[i + 1][1], "continued under the new weights"
+    assert sum(r["async/partial_samples"] for r in records) > 0
+    assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
+    assert records[-1]["async/interrupts"] == sum(e[0] == "interrupt" for e in trainer.events) > 0
