@@ -1,6 +1,7 @@
 """Step time of the rollout modes at the same batch: sync vs one_step_off, measured and modelled.
 
     .venv/bin/python tools/bench_async.py [--steps 12] [--warmup 2] [--no-colocated]
+                                          [--partial [--slow-rollout-ms MS]]
 
 Runs the CPU quickstart (``configs/quickstart_cpu.yaml``: the actor at TP=2 on two processes,
 32 prompts x 8 samples per step) through the real CLI, without validation, as:
@@ -8,6 +9,12 @@ Runs the CPU quickstart (``configs/quickstart_cpu.yaml``: the actor at TP=2 on t
 - ``colocated``: the default hybrid engine (vLLM TP=2 inside the actor's two processes);
 - ``sync``: the rollout on a pool of its own (one process, vLLM TP=1), ``rollout_mode=sync``;
 - ``one_step_off``: the same pools, ``rollout_mode=one_step_off``.
+
+``--partial`` runs, instead, ``async`` with ``max_staleness=2`` on the same pools without and
+with ``trainer.partial_rollout``; ``--slow-rollout-ms`` stretches every engine step of the
+rollout by that much (the test hook ``RLHF_FAULT=rollout_slow:MS``), standing in for a rollout
+slower than training, where syncs meet generations in flight. Beside the step time it reports
+the weight sync's median, the rows' mean lag, and the interrupted-and-continued rows per step.
 
 For each: the median step time after ``--warmup`` steps and the median of each phase. For
 ``one_step_off`` the overlap fraction: the share of the rollout's generation time during
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,10 +56,19 @@ RUNS = {
     "sync": [*OWN_POOL, "trainer.rollout_mode=sync"],
     "one_step_off": [*OWN_POOL, "trainer.rollout_mode=one_step_off"],
 }
+PARTIAL_RUNS = {
+    "async": [*OWN_POOL, "trainer.rollout_mode=async", "trainer.max_staleness=2"],
+    "async_partial": [
+        *OWN_POOL,
+        "trainer.rollout_mode=async",
+        "trainer.max_staleness=2",
+        "trainer.partial_rollout=true",
+    ],
+}
 TRAINER_PHASES = ("reward", "old_log_prob", "ref", "adv", "update_actor")
 
 
-def run(name: str, steps: int, out: Path) -> list[dict]:
+def run(name: str, steps: int, out: Path, slow_ms: int = 0) -> list[dict]:
     run_dir = out / name
     args = [
         sys.executable,
@@ -66,9 +83,10 @@ def run(name: str, steps: int, out: Path) -> list[dict]:
         f"trainer.default_local_dir={run_dir}",
         "trainer.logger=['jsonl']",
         "trainer.resume_mode=disable",
-        *RUNS[name],
+        *{**RUNS, **PARTIAL_RUNS}[name],
     ]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "RLHF_FAULT": f"rollout_slow:{slow_ms}"} if slow_ms else None
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -114,6 +132,10 @@ def summary(records: list[dict], warmup: int) -> dict:
         "median_sync_s": median("timing_s/sync_weights"),
         "median_wait_gen_s": median("timing_s/wait_gen"),
         "staleness_max": max(r.get("async/staleness_max", 0.0) for r in records),
+        "staleness_mean": round(statistics.mean(r.get("async/staleness_mean", 0.0) for r in kept), 3),
+        "partial_samples_per_step": round(
+            statistics.mean(r.get("async/partial_samples", 0.0) for r in kept), 1
+        ),
         "overlap_fraction": round(overlap_fraction(kept), 3),
     }
 
@@ -137,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     parser.add_argument("--no-colocated", action="store_true", help="skip the colocated (hybrid engine) run")
+    parser.add_argument(
+        "--partial", action="store_true", help="async without vs with partial rollout instead"
+    )
+    parser.add_argument("--slow-rollout-ms", type=int, default=0, help="--partial: stretch each engine step")
     args = parser.parse_args(argv)
     if not (MODEL / "stamp.json").is_file():
         subprocess.run(
@@ -146,12 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             stdout=subprocess.DEVNULL,
         )
     names = [n for n in RUNS if not (args.no_colocated and n == "colocated")]
+    if args.partial:
+        names = list(PARTIAL_RUNS)
     result: dict = {"steps": args.steps, "warmup": args.warmup}
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         for name in names:
             start = time.perf_counter()
-            result[name] = summary(run(name, args.steps, Path(tmp)), args.warmup)
+            result[name] = summary(run(name, args.steps, Path(tmp), args.slow_rollout_ms), args.warmup)
             result[name]["wall_s"] = round(time.perf_counter() - start, 1)
+    if args.partial:
+        result["slow_rollout_ms"] = args.slow_rollout_ms
+        print(json.dumps(result))
+        return 0
     result["measured_speedup_one_step_off_vs_sync"] = round(
         result["sync"]["median_s_per_step"] / result["one_step_off"]["median_s_per_step"], 2
     )

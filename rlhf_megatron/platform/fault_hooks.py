@@ -23,9 +23,9 @@ tests use them to show that its checks catch a real leak and a real slowdown):
 
 - ``leak:<MiB>``: every actor worker keeps another ``MiB`` of memory per ``actor.update``.
 - ``sync_drift:<ms>``: every ``actor.sync`` sleeps ``ms`` times the number of updates so far.
-- ``rollout_slow:<ms>``: a rollout worker sleeps ``ms`` before every engine step of an
-  interruptible generation (partial rollout's tests: a weight sync then always meets a
-  generation in flight).
+- ``rollout_slow:<ms>``: a disaggregated rollout worker sleeps ``ms`` before every engine
+  step of a training generation (partial rollout's tests and ``tools/bench_async.py
+  --partial``: a rollout slower than training, so that syncs meet generations in flight).
 
 ``RLHF_STOP_AFTER_STEP=k`` raises ``StopTraining`` at ``trainer.step_end`` of step ``k``
 (tests simulate a pre-emption with it).

@@ -23,7 +23,7 @@ The points, and the context each passes:
 - ``rollout.sync`` (step, rank): a disaggregated rollout worker starts receiving weight
   version ``step``.
 - ``rollout.engine_step`` (rank): a disaggregated rollout worker is about to run one engine
-  step of an interruptible generation (``trainer.partial_rollout``).
+  step of a training generation (when partial rollout or a test hook has it step the engine).
 - ``trainer.save`` (step): in the driver, after the workers wrote a checkpoint, before it
   is committed.
 - ``trainer.step_end`` (step): in the driver, after a step is logged.

@@ -20,13 +20,14 @@ The one rule, with ``s`` the staleness bound (``trainer.max_staleness``; 0 for
 - a batch whose lag exceeds ``s`` when its step comes is dropped and counted
   (``async/dropped_samples``) and its step regenerated.
 
-Partial rollout (``trainer.partial_rollout``): a sync never waits for a generation in flight
-and is never put off. The trainer raises the interrupt signal, the running generations stop
-at their next engine step and return what they have, the rollout receives the weights, and
-every unfinished row continues from its tokens under the new weights (``submit_continue``).
-A row's ``weight_version`` is its first token's, so the lag bound still holds; the rows
-continued are counted per step (``async/partial_samples``). Where a generation stood when
-the update ended depends on the clock, so such a run is not bit-reproducible.
+Partial rollout (``trainer.partial_rollout``): a sync never waits for a generation in flight.
+The same rule decides when the rollout syncs; then the trainer raises the interrupt signal,
+the running generations stop at their next engine step and return what they have, the
+rollout receives the weights, and every unfinished row continues from its tokens under the
+new weights (``submit_continue``). A row's ``weight_version`` is its first token's, so the
+lag bound still holds; the rows continued are counted per step (``async/partial_samples``).
+Where a generation stood when the update ended depends on the clock, so such a run is not
+bit-reproducible.
 
 So ``s = 0`` is the sync schedule exactly (same batches, seeds and weights), and
 ``s = 1`` overlaps the generation of batch ``k+1`` with the update on batch ``k``.
@@ -193,7 +194,7 @@ class RolloutScheduler:
         """Sync the rollout to the weights after ``step`` unless two or more generations are still queued
         (then the rollout has work, and the weights go over after the next update)."""
         version = actor_version(step, self.trainer.critic_warmup)
-        if version == self.rollout_version or (len(self.queue) > 1 and not self.partial):
+        if version == self.rollout_version or len(self.queue) > 1:
             return {}
         return self.sync(version)
 

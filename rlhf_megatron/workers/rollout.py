@@ -32,7 +32,7 @@ import torch
 from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.platform.faults import fault_point
+from rlhf_megatron.platform.faults import fault_env, fault_point
 from rlhf_megatron.rollout import UNFINISHED_KEY, RolloutEngine, RolloutSampling, build_rollout_engine
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, receive_buckets
 from rlhf_megatron.workers.base import Worker
@@ -69,8 +69,10 @@ class InterruptSignal:
 
     def stop_after(self, epoch: int, rank: int):
         def stop() -> bool:
-            fault_point("rollout.engine_step", rank=rank)
-            return self.epoch() > epoch
+            if self.epoch() > epoch:
+                return True
+            fault_point("rollout.engine_step", rank=rank)  # (a test hook may stretch the step that follows)
+            return False
 
         return stop
 
@@ -197,18 +199,17 @@ class RolloutWorker(Worker):
             raise RuntimeError(f"[rollout] rank {self.rank}: refusing to generate: {self.broken}")
         start = time.time()
         replica = self.rank // self.rollout_tp
-        if interrupt_epoch is None:
+        stop = None if validate or greedy else self._stop(interrupt_epoch)
+        if stop is None:
             out = sample(
                 self.engine, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
             )
         else:
             if seed is not None:
                 seed = seed + replica * len(prompts)  # as ``sample`` offsets it
-            sampling = RolloutSampling.from_config(
-                self.section.rollout, validate=validate, greedy=greedy, seed=seed
-            )
+            sampling = RolloutSampling.from_config(self.section.rollout, seed=seed)
             self.engine.wake_up()
-            out = self.engine.generate_sequences(prompts, sampling, stop=self._stop(interrupt_epoch))
+            out = self.engine.generate_sequences(prompts, sampling, stop=stop)
             self.engine.sleep()
         out[VERSION_KEY] = torch.full((len(out),), self.version, dtype=torch.int64)
         out.meta_info.update(gen_start=start, gen_end=time.time())
@@ -231,7 +232,16 @@ class RolloutWorker(Worker):
         out.meta_info.update(gen_start=start, gen_end=time.time())
         return out
 
-    def _stop(self, epoch: int):
+    def _stop(self, epoch: int | None):
+        """The engine's ``stop`` for a training generation submitted under interrupt ``epoch``.
+        Without one: None (vLLM's own generate), except under a test hook (``fault_env``), which
+        gets a ``stop`` that only runs the ``rollout.engine_step`` fault point (stepping the engine
+        samples what vLLM's generate does, bit for bit)."""
+        if epoch is None:
+            if not fault_env():
+                return None
+            rank = self.rank
+            return lambda: fault_point("rollout.engine_step", rank=rank) or False
         if self.sync_group is None:
             raise RuntimeError(f"[rollout] rank {self.rank}: partial rollout needs join_sync_group first")
         return InterruptSignal(self.sync_group.store).stop_after(epoch, self.rank)
