@@ -68,29 +68,16 @@ def enable_moe_without_te() -> None:
        ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA
        tensors; CPU tensors stay tensors and gloo's ``all_to_all_single`` rejects them
        as split sizes. Convert CPU tensors too.
-    3. On CPU only: the dispatcher's collectives allocate their outputs on
-       ``torch.cuda.current_device()``, also in backward. ``platform.cpu_compat``
-       redirects such devices with a ``TorchFunctionMode``, but ``torch.autograd.backward``
-       itself passes through that mode, which is suspended while its handler runs, so
-       the whole backward pass goes unredirected. Dense models never allocate there;
-       the MoE all-to-all and the expert-TP gather/scatter do. Their backward functions
-       run under a device redirection of their own (a general fix belongs in
-       ``cpu_compat``).
+
+    (The dispatcher's collectives allocate their outputs on ``torch.cuda.current_device()``,
+    also in backward; on CPU ``platform.cpu_compat``'s factory wrappers redirect those.)
     """
-    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     moe_utils.__dict__.setdefault("te_general_gemm", None)
     original = moe_utils.maybe_move_tensor_to_cpu
     if getattr(token_dispatcher.maybe_move_tensor_to_cpu, "_rlhf_cpu_numpy", False):
         return
-    if not torch.cuda.is_available():
-        for fn in (
-            mappings._AllToAll,
-            mappings._GatherFromSequenceParallelRegion,
-            mappings._ReduceScatterToSequenceParallelRegion,
-        ):
-            fn.backward = staticmethod(_on_cpu_devices(fn.backward))
 
     def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
@@ -99,25 +86,6 @@ def enable_moe_without_te() -> None:
 
     move_to_cpu._rlhf_cpu_numpy = True
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
-
-
-class _CpuDevices(torch.overrides.TorchFunctionMode):
-    """Rewrites CUDA ``device=`` arguments to CPU (what ``cpu_compat``'s mode does in forward)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if isinstance(device, int) and not isinstance(device, bool) or str(device).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-def _on_cpu_devices(backward):
-    def run(ctx, *grads):
-        with _CpuDevices():
-            return backward(ctx, *grads)
-
-    return run
 
 
 def moe_config_kwargs(

@@ -17,14 +17,15 @@ Patches, one by one, with the reason for each:
    resulting ``cuda:0`` into ``cpu``.
 2. ``torch.cuda.synchronize``, ``empty_cache`` and ``set_device`` are no-ops.
    CPU kernels are synchronous and there is no device cache or device to pick.
-3. A ``TorchFunctionMode`` (``_CpuDeviceMode``) rewrites ``device=`` arguments
-   that name CUDA (``"cuda"``, ``"cuda:1"``, an int, ``torch.device("cuda")``)
-   to ``cpu`` for every torch call, and ``Tensor.to``/``Module.to`` targets
-   likewise. ``Tensor.cuda()`` and ``Module.cuda()`` return the object itself.
-   Megatron allocates parameters, buffers, pipeline receive buffers and RoPE
-   frequencies directly on ``cuda``; there are too many call sites to patch one
-   by one, and a function mode catches them all in one place. It stays on inside
-   ``torch.autograd.backward`` (megatron's autograd functions allocate there).
+3. Tensor factories (``torch.empty``/``zeros``/``ones``/``full``/``tensor``/``arange``/...,
+   their ``*_like`` forms and ``Tensor.new_*``) and ``Tensor.to``/``Module.to`` rewrite a
+   ``device`` that names CUDA (``"cuda"``, ``"cuda:1"``, an int, ``torch.device("cuda")``)
+   to ``cpu``; ``Tensor.cuda()`` and ``Module.cuda()`` return the object itself. Megatron
+   allocates parameters, buffers, pipeline receive buffers and RoPE frequencies directly on
+   ``cuda``; there are too many call sites to patch one by one, but every one of them goes
+   through a factory or ``to``. Only those calls pay the wrapper's Python (under a
+   microsecond); a ``TorchFunctionMode`` catching every torch call (what this layer used
+   first) added ~3.4 us to *every* op, about a sixth of a small model's training step.
 4. ``torch.cuda.get_rng_state``, ``set_rng_state`` and ``manual_seed`` act
    on the CPU generator, and megatron's own
    ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` do
@@ -50,8 +51,8 @@ What this layer does *not* fix and callers must do themselves:
 
 - Pass an explicit attention mask to ``GPTModel.forward``:
   ``megatron.core.transformer.utils.get_default_causal_mask`` hard-codes
-  ``device="cuda"`` inside an ``lru_cache``d helper that the function mode can
-  only partly see; ``rlhf_megatron.models`` always builds the mask itself.
+  ``device="cuda"`` inside an ``lru_cache``d helper; ``rlhf_megatron.models`` always builds
+  the mask itself.
 - Fused kernels (transformer-engine, apex) are GPU-only; on CPU models use
   megatron's local layer spec.
 """
@@ -59,14 +60,13 @@ What this layer does *not* fix and callers must do themselves:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _lock = threading.Lock()
 _enabled = False
-_mode: _CpuDeviceMode | None = None
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -92,42 +92,53 @@ def _to_cpu_device(device):
     return device
 
 
-class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments of every torch call to ``cpu`` (patch 3)."""
+# Tensor factories that take ``device=`` (patch 3): every megatron allocation goes through one.
+_FACTORIES = (
+    "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
+    "full_like", "tensor", "as_tensor", "asarray", "scalar_tensor", "arange", "range", "linspace",
+    "logspace", "eye", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+    "randperm", "tril_indices", "triu_indices", "sparse_coo_tensor",
+)  # fmt: skip
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+
+def _on_cpu(fn):
+    """``fn`` with a CUDA ``device=`` keyword turned into ``cpu`` (factories take it by keyword only)."""
+
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
-        if func is torch.Tensor.to and args:
-            args = tuple(_to_cpu_device(a) if i > 0 else a for i, a in enumerate(args))
-        if func is torch.autograd.backward:
-            return _backward_in_mode(*args, **kwargs)
-        return func(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return factory
 
 
-def _backward_in_mode(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
-    """``torch.autograd.backward`` with the device mode on. A mode is off while its handler runs,
-    and torch (2.10) sends ``backward`` through the handler; but backward runs megatron's autograd
-    functions, which allocate on ``cuda`` too (e.g. the sequence-parallel linears' reduce-scatter
-    buffer). So run autograd's engine here, as ``backward`` does after its dispatch, inside the mode."""
-    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-    from torch.autograd.graph import _engine_run_backward
+def _wrap_factories() -> None:
+    """Replace ``torch.<factory>`` by ``_on_cpu`` wrappers. torch keeps two registries of these
+    functions, filled lazily from ``torch.<name>`` and looked up by identity: the device context
+    manager's constructors (``with torch.device("meta")``, which transformers loads models under)
+    and TorchScript's builtin table. Fill both with the originals first (a wrapper in the first
+    would switch the context manager off for that factory), then teach TorchScript the wrappers."""
+    from torch.jit import _builtins
+    from torch.utils._device import _device_constructors
 
-    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-    grads = _make_grads(
-        tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)), is_grads_batched=False
-    )
-    with _CpuDeviceMode():
-        _engine_run_backward(
-            tensors,
-            grads,
-            create_graph if retain_graph is None else retain_graph,
-            create_graph,
-            tuple(inputs or ()),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
+    _device_constructors()
+    table = _builtins._get_builtin_table()
+    for name in _FACTORIES:
+        original = getattr(torch, name)
+        wrapper = _on_cpu(original)
+        if id(original) in table:
+            _builtins._register_builtin(wrapper, table[id(original)])
+        setattr(torch, name, wrapper)
+
+
+def _tensor_to(self, *args, **kwargs):
+    if args:
+        args = tuple(_to_cpu_device(a) for a in args)
+    if "device" in kwargs:
+        kwargs["device"] = _to_cpu_device(kwargs["device"])
+    return _ORIGINALS["Tensor.to"](self, *args, **kwargs)
 
 
 class _InertStream:
@@ -217,10 +228,9 @@ def _patch_megatron_rng() -> None:
 
 def enable_cpu_compat() -> None:
     """Apply every patch listed in the module docstring. Idempotent, process-wide."""
-    global _enabled, _mode
+    global _enabled
     with _lock:
         if _enabled:
-            _ensure_mode_on_this_thread()
             return
         if torch.cuda.is_available():
             raise RuntimeError(
@@ -230,6 +240,7 @@ def enable_cpu_compat() -> None:
         cuda = torch.cuda
         _ORIGINALS["Tensor.type"] = torch.Tensor.type
         _ORIGINALS["Module.to"] = torch.nn.Module.to
+        _ORIGINALS["Tensor.to"] = torch.Tensor.to
         # 1, 2
         cuda.current_device = lambda: 0
         cuda.device_count = lambda: 1
@@ -237,6 +248,10 @@ def enable_cpu_compat() -> None:
         cuda.empty_cache = lambda *a, **k: None
         cuda.set_device = lambda *a, **k: None
         # 3
+        _wrap_factories()
+        for name in _TENSOR_FACTORIES:
+            setattr(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
+        torch.Tensor.to = _tensor_to
         torch.Tensor.cuda = lambda self, *a, **k: self
         torch.nn.Module.cuda = lambda self, *a, **k: self
         torch.nn.Module.to = _module_to
@@ -258,19 +273,7 @@ def enable_cpu_compat() -> None:
         # 7
         cuda.nvtx.range_push = lambda *a, **k: None
         cuda.nvtx.range_pop = lambda *a, **k: None
-        _mode = _CpuDeviceMode()
         _enabled = True
-        _ensure_mode_on_this_thread()
-
-
-_thread_state = threading.local()
-
-
-def _ensure_mode_on_this_thread() -> None:
-    """Function modes live on a per-thread stack: push ours once per thread that uses torch."""
-    if _mode is not None and not getattr(_thread_state, "pushed", False):
-        _mode.__enter__()
-        _thread_state.pushed = True
 
 
 def cpu_compat_enabled() -> bool:

@@ -28,6 +28,51 @@ def test_cuda_device_arguments_land_on_cpu():
     assert torch.ones(2).new_zeros(5).shape == (5,)
 
 
+def test_every_factory_and_autograd_backward_allocate_on_cpu():
+    setup_platform()
+    x = torch.ones(2, 3)
+    made = [
+        torch.arange(3, device="cuda"), torch.full((2,), 1.0, device=0), torch.tensor([1], device="cuda:1"),
+        torch.empty_like(x, device="cuda"), torch.zeros_like(x, device=torch.device("cuda")),
+        torch.randn(2, device="cuda"), torch.eye(2, device="cuda"), torch.linspace(0, 1, 3, device="cuda"),
+        x.new_empty(2, device="cuda"), x.new_tensor([1.0], device="cuda"), x.to(device="cuda"),
+        x.to("cuda", torch.float64),
+    ]  # fmt: skip
+    assert all(t.device.type == "cpu" for t in made)
+    assert made[-1].dtype == torch.float64
+
+    class AllocatesInBackward(torch.autograd.Function):  # as megatron's collectives do
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.ones(grad.shape, device=torch.cuda.current_device()) * grad
+
+    y = torch.ones(3, requires_grad=True)
+    AllocatesInBackward.apply(y).sum().backward()
+    assert torch.equal(y.grad, torch.ones(3))
+
+
+def test_the_layer_leaves_other_ops_alone():
+    """No function mode intercepts every op (it cost ~3.4 us per op); device contexts and
+    TorchScript still see the factories they know."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    setup_platform()
+    assert _get_current_function_mode_stack() == []
+    with torch.device("meta"):  # transformers builds models under this
+        assert torch.empty(2).device.type == "meta" and torch.arange(3).device.type == "meta"
+        assert torch.tensor([1.0]).device.type == "meta"
+
+    @torch.jit.script
+    def scripted(n: int) -> torch.Tensor:
+        return torch.zeros(n) + torch.arange(n)
+
+    assert scripted(3).tolist() == [0.0, 1.0, 2.0]
+
+
 def test_tensor_type_reports_cuda_names_only_without_arguments():
     setup_platform()
     x = torch.ones(2)
