@@ -13,8 +13,8 @@ attributed to
 - a category: walking from the innermost frame out, the first frame that matches one of
   ``CATEGORIES`` (gloo collectives, Ray (de)serialization, attention, MLP, the backward pass,
   log-prob/entropy over the vocabulary, the optimizer, vLLM, ...); a sample whose innermost
-  frame is the CPU-compat function mode's own Python (any line but the one calling the op)
-  counts as that layer's per-op overhead;
+  frame is the CPU-compat wrappers' own Python (any line but the one calling the wrapped
+  torch function) counts as that layer's overhead;
 
 and the JSON printed gives, per process, the share of samples per phase and per category,
 next to the driver's own per-phase timings (``timing_s/*`` medians after warm-up). A
@@ -59,6 +59,7 @@ CATEGORIES = (
     ),
     ("ray (de)serialization", re.compile(r"(serializ|pickle|cloudpickle)")),
     ("batch split/concat", re.compile(r"rlhf_megatron/data/batch\.py")),
+    ("shared-prompt packing", re.compile(r"rlhf_megatron/data/packing\.py")),
     ("vocab log-prob / entropy", re.compile(r"(vocab_parallel_|_shifted_softmax_stats|_VocabParallel)")),
     ("backward (autograd)", re.compile(r"(_engine_run_backward|torch/autograd/__init__\.py)")),
     ("attention", re.compile(r"(DotProductAttention|core_attention|scaled_dot_product|Attention\.forward)")),
@@ -100,23 +101,23 @@ def _phase(frames: list[str], driver: bool) -> str:
     return "other"
 
 
-def _mode_call_line() -> int:
-    """The line of the CPU-compat function mode that calls the torch op itself."""
+def _compat_call_lines() -> set[int]:
+    """The lines of the CPU-compat wrappers that call the wrapped torch function itself."""
     from rlhf_megatron.platform import cpu_compat
 
     lines = Path(cpu_compat.__file__).read_text().splitlines()
-    return next(i + 1 for i, line in enumerate(lines) if "return func(*args, **kwargs)" in line)
+    return {i + 1 for i, line in enumerate(lines) if re.search(r"return (fn|_ORIGINALS\[.*\])\(", line)}
 
 
-_MODE_LEAF = re.compile(r"__torch_function__ \(.*cpu_compat\.py:(\d+)\)")
+_COMPAT_LEAF = re.compile(r"\(.*cpu_compat\.py:(\d+)\)")
 
 
-def _category(frames: list[str], call_line: int) -> str:
-    # py-spy charges time inside a C op to the Python line that called it; a leaf in the mode
-    # on any other line than the op call is the mode's own Python (the per-op overhead).
-    leaf = _MODE_LEAF.search(frames[-1]) if frames else None
-    if leaf and int(leaf.group(1)) != call_line:
-        return "cpu-compat mode (own Python)"
+def _category(frames: list[str], call_lines: set[int]) -> str:
+    # py-spy charges time inside a C op to the Python line that called it; a leaf in the CPU-compat
+    # wrappers on any other line than the call is their own Python (the per-call overhead).
+    leaf = _COMPAT_LEAF.search(frames[-1]) if frames else None
+    if leaf and int(leaf.group(1)) not in call_lines:
+        return "cpu-compat wrappers (own Python)"
     for frame in reversed(frames):
         for name, pattern in CATEGORIES:
             if pattern.search(frame):
@@ -130,9 +131,9 @@ def summarize(path: Path, driver: bool) -> dict:
     phases: collections.Counter = collections.Counter()
     categories: collections.Counter = collections.Counter()
     by_phase: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    call_line = _mode_call_line()
+    call_lines = _compat_call_lines()
     for frames, n in stacks:
-        phase, category = _phase(frames, driver), _category(frames, call_line)
+        phase, category = _phase(frames, driver), _category(frames, call_lines)
         phases[phase] += n
         categories[category] += n
         by_phase[phase][category] += n
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8, help="steps before sampling starts")
     parser.add_argument("--seconds", type=int, default=15, help="how long to sample")
     parser.add_argument("--rate", type=int, default=200, help="samples per second per process")
+    parser.add_argument("--raw-dir", type=Path, help="keep py-spy's raw stacks (one file per process) here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -230,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
         for *_, proc in spies:
             proc.wait()
+        if args.raw_dir:
+            args.raw_dir.mkdir(parents=True, exist_ok=True)
+            for _, _, out, _ in spies:
+                if out.exists():
+                    shutil.copy(out, args.raw_dir / out.name)
         driver.wait()
         if driver.returncode:
             raise SystemExit(f"profile_step: the run failed:\n{driver.stderr.read()[-3000:]}")
