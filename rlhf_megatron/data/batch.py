@@ -51,7 +51,8 @@ balancing a batch by row keep each row's patches with it. Image tokens are alrea
 
 Boundaries: pure data structure. It knows nothing about ranks, Ray or Megatron; splitting a
 batch over data-parallel ranks is ``chunk``/``split`` called by the scheduling layer. Pickle is
-the serialisation (Ray uses it).
+the serialisation (Ray uses it): CPU tensors travel as numpy arrays, which pickle protocol 5
+(Ray's) hands over as raw buffers, ~10x faster than torch's own per-storage pickling.
 """
 
 from __future__ import annotations
@@ -110,6 +111,22 @@ def _values_equal(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
     result = a == b
     return bool(np.all(result)) if isinstance(result, np.ndarray) else bool(result)
+
+
+_NUMPY_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool,
+}  # fmt: skip
+
+
+def _rebuild_batch(tensors: dict, non_tensors: dict, meta_info: dict, size: int) -> Batch:
+    """Unpickling a `Batch`: numpy arrays back to tensors (copied when read-only, as arrays in Ray's
+    shared-memory object store are: torch must be able to write into its tensors)."""
+    tensors = {
+        k: torch.from_numpy(v if v.flags.writeable else v.copy()) if isinstance(v, np.ndarray) else v
+        for k, v in tensors.items()
+    }
+    return Batch(tensors, non_tensors, meta_info, batch_size=size)
 
 
 class Batch:
@@ -172,6 +189,15 @@ class Batch:
     # ------------------------------------------------------------------ inspection
     def __len__(self) -> int:
         return int(self.tensors.batch_size[0])
+
+    def __reduce__(self):
+        # CPU tensors as numpy arrays (raw buffers under pickle protocol 5); the rest (CUDA tensors,
+        # dtypes numpy lacks, such as bfloat16) through torch's own pickling.
+        tensors = {
+            k: v.numpy() if v.device.type == "cpu" and v.dtype in _NUMPY_DTYPES and not v.requires_grad else v
+            for k, v in self.tensors.items()
+        }
+        return _rebuild_batch, (tensors, self.non_tensors, self.meta_info, len(self))
 
     @property
     def tensor_keys(self) -> list[str]:

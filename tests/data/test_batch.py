@@ -181,6 +181,32 @@ def test_pickle_roundtrip_and_to():
     assert moved["values"].device.type == "cpu" and moved["data_source"] is b["data_source"]
 
 
+def test_pickle_sends_cpu_tensors_as_numpy_buffers_and_restores_them_exactly():
+    import ray.cloudpickle
+
+    b = make_batch()
+    b["bf16"] = torch.randn(len(b), 3).bfloat16()  # numpy has no bfloat16: torch pickles it
+    b["flags"] = torch.rand(len(b), 2) > 0.5
+    part = b[2:4]  # a view: only its rows travel
+    for data in (pickle.dumps(part, protocol=5), ray.cloudpickle.dumps(part, protocol=5)):
+        restored = pickle.loads(data)
+        assert restored.tensor_keys == part.tensor_keys and len(restored) == len(part) == 2
+        for key in part.tensor_keys:
+            assert restored[key].dtype == part[key].dtype and torch.equal(restored[key], part[key]), key
+        assert restored.non_tensor_keys == part.non_tensor_keys and restored.meta_info == part.meta_info
+    assert len(pickle.dumps(part, protocol=5)) < len(pickle.dumps(b, protocol=5))
+
+
+def test_unpickled_tensors_are_writable_even_from_read_only_buffers():
+    b = make_batch()
+    buffers = []
+    data = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
+    # Ray hands out-of-band buffers back read-only (its shared-memory object store)
+    restored = pickle.loads(data, buffers=[memoryview(bytes(buf.raw())) for buf in buffers])
+    restored["input_ids"][0, 0] = -7
+    assert int(restored["input_ids"][0, 0]) == -7 and int(b["input_ids"][0, 0]) != -7
+
+
 def test_columnless_batch_keeps_length_through_ops():
     b = make_batch().select([], [], ["temperature"])
     assert len(b) == 4 and b.keys() == []
