@@ -9,7 +9,9 @@ Role: runs after ``validate_config`` inside ``load_config`` and rewrites, in pla
 * full recomputation's unset method/layers as uniform/1 (Megatron's usual choice);
 * verl's ``rollout.load_format`` spellings (dummy_megatron, ...) as ``hf``;
 * ``actor.router_replay.mode=auto`` (``router_replay=true``) as R3 where vLLM reports its
-  routing (a vLLM rollout off CPU), else R2.
+  routing (a vLLM rollout off CPU), else R2;
+* ``model.shared_prompt_packing=null`` (actor/reference and critic) as on with
+  ``trainer.device=cpu``, else off.
 
 The resolved config that is printed and saved therefore shows what will actually run.
 
@@ -70,4 +72,7 @@ def normalize_config(cfg: DictConfig, world_size: int | None = None) -> DictConf
     replay = cfg.actor_rollout_ref.actor.router_replay
     if replay.mode == "auto":
         replay.mode = "R3" if rollout.name == "vllm" and cfg.trainer.device != "cpu" else "R2"
+    for model in (cfg.actor_rollout_ref.model, cfg.critic.model):
+        if model.shared_prompt_packing is None:
+            model.shared_prompt_packing = cfg.trainer.device == "cpu"
     return cfg

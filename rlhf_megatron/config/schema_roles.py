@@ -42,7 +42,21 @@ class ModelConfig:
     recomputation of every layer when ``<role>.megatron.recompute_granularity`` is null."""
 
     use_remove_padding: bool = False
-    """Pack sequences without padding (THD layout) in training forward passes."""
+    """verl's switch for packing sequences without padding (THD layout). Accepted for verl's
+    command lines and not used: the Megatron passes cut each micro-batch's padding columns
+    themselves, or pack it per prompt (``shared_prompt_packing``)."""
+
+    shared_prompt_packing: bool | None = None
+    """Forward passes over responses (old/reference log-probs, values, updates) put each prompt
+    once in a row, followed by every response to it that the micro-batch holds: the responses
+    attend to the prompt and to themselves only (an arbitrary attention mask), and restart their
+    positions after it. A prompt's tokens are computed once instead of ``n`` times and no
+    padding sits between responses; outputs and gradients are the unpacked rows', up to float
+    rounding (``rlhf_megatron.data.packing``). The driver then balances whole prompt groups over
+    the data-parallel ranks, so a group stays in one micro-batch. Dense text models without
+    context parallelism only (others run unpacked). null: on with ``trainer.device=cpu``, off
+    otherwise: the mask is dense, so its cost grows with the square of a packed row's width
+    (prompt + all its responses), which long GPU responses make prohibitive."""
 
     trust_remote_code: bool = False
     """Allow code from the model directory when loading the HF config and tokenizer."""

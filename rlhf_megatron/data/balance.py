@@ -110,18 +110,43 @@ def sequence_costs(batch: Batch) -> list[int]:
     return batch["attention_mask"].sum(-1).tolist()
 
 
-def balance_batch(batch: Batch, dp_size: int) -> tuple[Batch, dict[str, float]]:
+def _group_rows(batch: Batch, key: str, dp_size: int) -> list[list[int]] | None:
+    """Rows sharing a value of column ``key``, in order of their first row; None when there is no such
+    column or the groups cannot be dealt out evenly (unequal sizes, or a count ``dp_size`` does not divide)."""
+    if key not in batch.non_tensor_keys:
+        return None
+    groups: dict[object, list[int]] = {}
+    for row, value in enumerate(batch[key].tolist()):
+        groups.setdefault(value, []).append(row)
+    rows = list(groups.values())
+    if len({len(g) for g in rows}) != 1 or len(rows) % dp_size:
+        return None
+    return rows
+
+
+def balance_batch(batch: Batch, dp_size: int, group_by: str | None = None) -> tuple[Batch, dict[str, float]]:
     """Reorder ``batch`` so that ``chunk(dp_size)`` gives each rank a near-equal token count.
 
-    Costs are `sequence_costs` (prompt + response tokens, image tokens included). Returns the
-    reordered batch and metrics comparing the token spread with a contiguous split of the input order.
+    Costs are `sequence_costs` (prompt + response tokens, image tokens included). With
+    ``group_by`` (a non-tensor column, e.g. the prompt ``uid``), the rows sharing a value move
+    together and stay contiguous: whole groups are balanced, each costing its prompt once plus its
+    responses, what shared-prompt packing (``data.packing``) computes. Groups of unequal size or
+    a group count ``dp_size`` does not divide fall back to balancing rows. Returns the reordered
+    batch and metrics comparing the token spread with a contiguous split of the input order.
     """
     seqlens = sequence_costs(batch)
-    partitions = balance_partitions(seqlens, dp_size, equal_size=True)
-    per_rank = len(batch) // dp_size
+    groups = _group_rows(batch, group_by, dp_size) if group_by else None
+    if groups is None:
+        groups = [[row] for row in range(len(batch))]
+        costs = seqlens
+    else:
+        prompt = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).tolist()
+        costs = [prompt[g[0]] + sum(seqlens[r] - prompt[r] for r in g) for g in groups]
+    partitions = balance_partitions(costs, dp_size, equal_size=True)
+    per_rank = len(groups) // dp_size
     naive = [range(r * per_rank, (r + 1) * per_rank) for r in range(dp_size)]
-    naive_sums, sums = partition_sums(seqlens, naive), partition_sums(seqlens, partitions)
-    order = np.concatenate([np.asarray(p, dtype=np.int64) for p in partitions])
+    naive_sums, sums = partition_sums(costs, naive), partition_sums(costs, partitions)
+    order = np.asarray([row for part in partitions for g in part for row in groups[g]], dtype=np.int64)
     metrics = {
         "balance/min_partition_tokens": float(min(sums)),
         "balance/max_partition_tokens": float(max(sums)),

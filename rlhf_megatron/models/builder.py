@@ -2,7 +2,8 @@
 
 ``build_gpt_model(arch, parallel)`` returns this rank's model chunks: one per
 virtual pipeline stage (a single chunk without VPP). Every chunk of a text
-model is a plain megatron-core ``GPTModel``; a vision-language model's chunk is
+model is a megatron-core ``GPTModel`` (``gpt.GPTModelWithPositions``: its RoPE follows
+``position_ids``, as HF's and vLLM's do); a vision-language model's chunk is
 a ``VisionLanguageModel`` around such a ``GPTModel`` (M-RoPE), holding the
 vision tower on the first chunk of the first stage. A mixture-of-experts model's
 ``GPTModel`` has megatron MoE layers (router, experts split over expert
@@ -30,6 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
 from rlhf_megatron.models.norms import with_sequence_parallel_norms
@@ -309,7 +311,7 @@ def build_gpt_model(
             chunk_spec = moe_block_spec(config, use_te, stage, pp_rank)
         if not use_te and parallel.sequence_parallel:
             chunk_spec = with_sequence_parallel_norms(chunk_spec, config, stage, pp_rank)
-        model = GPTModel(
+        model = GPTModelWithPositions(
             config=config,
             transformer_layer_spec=chunk_spec,
             vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),

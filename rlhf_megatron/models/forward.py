@@ -56,24 +56,37 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def build_attention_mask(attention_mask: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+def build_attention_mask(
+    attention_mask: torch.Tensor,
+    sliding_window: int | None = None,
+    segment_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[B, S]`` padding mask (True/1 = token) -> ``[B, 1, S, S]`` bool, True = masked out.
 
     Query ``i`` may attend to key ``j`` when ``j <= i``, ``j`` is a token, and
     (with a window) ``i - j < sliding_window``. Every query also sees itself,
     so padding rows are never empty (an all-masked row gives NaNs in some
     attention kernels, and NaN * 0 is still NaN in a masked loss).
+
+    Packed rows (``data.packing``): ``segment_ids`` ``[B, S]`` (0 = the shared prompt, k = the
+    k-th response, -1 = padding) also keep a response from seeing any other response, and the
+    window is measured in ``position_ids`` rather than columns.
     """
     valid = attention_mask.bool()
     seq = valid.shape[1]
     i = torch.arange(seq, device=valid.device)[:, None]
     j = torch.arange(seq, device=valid.device)[None, :]
-    allowed = j <= i
+    allowed = (j <= i)[None]
+    if segment_ids is not None:
+        seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]
+        allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))
     if sliding_window is not None:
-        allowed = allowed & (i - j < sliding_window)
-    allowed = (allowed[None] & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=valid.device)[
-        None
-    ]
+        if position_ids is not None and segment_ids is not None:
+            allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < sliding_window)
+        else:
+            allowed = allowed & (i - j < sliding_window)[None]
+    allowed = (allowed & valid[:, None, :]) | torch.eye(seq, dtype=torch.bool, device=valid.device)[None]
     return ~allowed[:, None]  # (B, 1, S, S)
 
 
@@ -86,6 +99,7 @@ def model_forward(
     *,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One chunk on one micro-batch (inside a megatron ``forward_step_func``).
 
@@ -93,6 +107,7 @@ def model_forward(
     vision-language chunk (computed from the tokens and grids when None; text
     positions are repeated over the three streams). ``pixel_values`` /
     ``image_grid_thw``: this micro-batch's images (vision-language only).
+    ``segment_ids``: ``[B, S]`` of a packed micro-batch (``data.packing``; text only).
 
     Returns what the chunk returns: on the last stage logits ``[B, S, V_pad/tp]``
     (this TP rank's vocabulary shard) or values ``[B, S, 1]``; elsewhere the
@@ -101,7 +116,7 @@ def model_forward(
     from rlhf_megatron.models.moe import has_experts
     from rlhf_megatron.models.vision_language import vision_language_model
 
-    mask = build_attention_mask(attention_mask, sliding_window)
+    mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
     vl = vision_language_model(chunk)
     if vl is None:
         if pixel_values is not None or (position_ids is not None and position_ids.dim() != 2):

@@ -194,7 +194,9 @@ class PPOTrainer:
             # multi_modal_inputs (pixel values), so stop shipping both to every worker.
             batch.pop(non_tensor_keys=["multi_modal_data"])
         if cfg.trainer.balance_batch:
-            batch, balance = balance_batch(batch, self.actor.dp_size())
+            # Packed passes compute each prompt once per micro-batch: keep its responses together.
+            group_by = "uid" if cfg.actor_rollout_ref.model.shared_prompt_packing else None
+            batch, balance = balance_batch(batch, self.actor.dp_size(), group_by)
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
         with timer("reward"):
             batch["token_level_scores"], reward_metrics = self.score(batch, self.reward_fn)

@@ -88,12 +88,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             variable_seq_lengths=arc.actor.use_dynamic_bsz and parallel.pipeline_model_parallel_size > 1,
             freeze_vision_tower=arc.model.freeze_vision_tower,
             routing_replay=arc.actor.router_replay.mode != "disabled",
+            pack_prompts=bool(arc.model.shared_prompt_packing),
         )
         self.engines = {"actor": self.actor}
         self._recorded_routes: tuple[torch.Tensor, torch.Tensor] | None = None
         """R2: (input_ids, routed_experts) of the last old-log-prob pass, kept on this rank."""
         if self.context.plan.ref:
-            self.ref = MegatronEngine(self.arch, parallel, self.path, arc.ref.megatron)
+            self.ref = MegatronEngine(
+                self.arch,
+                parallel,
+                self.path,
+                arc.ref.megatron,
+                pack_prompts=bool(arc.model.shared_prompt_packing),
+            )
         self._init_rollout()
 
     # ------------------------------------------------------------------ rollout

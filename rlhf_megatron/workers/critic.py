@@ -53,6 +53,7 @@ class CriticWorker(MegatronRoleWorker):
             critic.optim,
             total_steps=self.context.total_steps,
             variable_seq_lengths=critic.use_dynamic_bsz and parallel.pipeline_model_parallel_size > 1,
+            pack_prompts=bool(critic.model.shared_prompt_packing),
         )
         self.engines = {"critic": self.critic}
 

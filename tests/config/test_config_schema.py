@@ -32,7 +32,7 @@ def test_every_schema_class_has_a_class_docstring():
 def test_field_docs_follow_inheritance_and_overrides():
     docs = field_docs(CriticModelConfig)
     # inherited from ModelConfig
-    assert "Pack sequences" in docs["use_remove_padding"]
+    assert "packing sequences without padding" in docs["use_remove_padding"]
     # redefined in CriticModelConfig
     assert "Defaults to the actor's model" in docs["path"]
 

@@ -61,3 +61,47 @@ def test_balance_batch_reorders_rows_for_chunking():
     assert max(sums) == metrics["balance/max_partition_tokens"]
     assert metrics["balance/max_over_min"] <= metrics["balance/max_over_min_contiguous"]
     assert metrics["balance/max_over_min"] == pytest.approx(max(sums) / min(sums))
+
+
+def _grouped_batch(group_size=4, groups=8, prompt_width=6, response_width=10):
+    """Rollout-shaped rows: ``groups`` prompts with ``group_size`` responses each (one uid per prompt)."""
+    rng = random.Random(1)
+    rows = groups * group_size
+    mask = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
+    for g in range(groups):
+        prompt = rng.randint(1, prompt_width)
+        for k in range(group_size):
+            mask[g * group_size + k, prompt_width - prompt : prompt_width + rng.randint(1, response_width)] = 1
+    return Batch.from_dict(
+        {"attention_mask": mask, "prompts": torch.zeros(rows, prompt_width, dtype=torch.long)},
+        {"uid": [f"p{i // group_size}" for i in range(rows)], "row": list(range(rows))},
+    )
+
+
+def test_balance_batch_by_group_keeps_each_prompts_rows_together_and_contiguous():
+    batch = _grouped_batch()
+    balanced, metrics = balance_batch(batch, dp_size=2, group_by="uid")
+    assert sorted(balanced["row"].tolist()) == list(range(len(batch)))
+    uids = balanced["uid"].tolist()
+    runs = [uids[i : i + 4] for i in range(0, len(uids), 4)]
+    assert all(len(set(run)) == 1 for run in runs), "a group's rows stay contiguous"
+    for chunk in balanced.chunk(2):  # every group on exactly one rank
+        assert len(set(chunk["uid"].tolist())) == 4
+    # a group costs its prompt once plus its responses (what packing computes)
+    mask, prompt_width = batch["attention_mask"], 6
+    costs = {}
+    for row, uid in enumerate(batch["uid"].tolist()):
+        prompt = int(mask[row, :prompt_width].sum())
+        costs[uid] = costs.get(uid, prompt) + int(mask[row, prompt_width:].sum())
+    sums = [sum(costs[u] for u in set(c["uid"].tolist())) for c in balanced.chunk(2)]
+    assert max(sums) == metrics["balance/max_partition_tokens"]
+    assert min(sums) == metrics["balance/min_partition_tokens"]
+
+
+def test_balance_batch_by_group_falls_back_to_rows_when_groups_cannot_be_dealt_evenly():
+    batch = _grouped_batch(groups=3)  # 3 groups over 2 ranks
+    balanced, _ = balance_batch(batch, dp_size=2, group_by="uid")
+    rows, _ = balance_batch(batch, dp_size=2)
+    assert balanced["row"].tolist() == rows["row"].tolist()
+    no_column, _ = balance_batch(batch, dp_size=2, group_by="missing")
+    assert no_column["row"].tolist() == rows["row"].tolist()
