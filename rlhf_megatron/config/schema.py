@@ -229,6 +229,16 @@ class RolloutCorrectionConfig:
     """Rescale the truncated weights so that their mean over the batch's valid tokens is 1 (keeps
     the loss scale of token-mean aggregation)."""
 
+    bypass_mode: bool = False
+    """verl's "bypass" (performance) mode: the rollout engine's log-probs of the sampled tokens
+    serve as the old policy, so PPO's ratio and clip are anchored at the policy that actually
+    sampled (``pi_old = pi_rollout``), and the actor's old-log-prob forward pass is skipped. The
+    same as the default wherever the engine computes the actor's policy (same weights and dtype:
+    fp32 vLLM-CPU and Megatron agree to ~1e-6); with a bf16 or otherwise different engine the
+    ratio also carries that mismatch, which the default (decoupled) mode would keep apart.
+    ``rollout_is`` has nothing to correct then (refused), nor is there a pass for
+    ``router_replay.mode=R2`` to record routes in (refused)."""
+
 
 @dataclass
 class AlgorithmConfig:

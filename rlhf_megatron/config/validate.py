@@ -268,6 +268,23 @@ def check_rollout_correction(ctx: ValidationContext) -> list[str]:
             "set it to e.g. 2.0 (verl's default)"
         )
     engine = ctx.get(f"{ROLLOUT}.name")
+    if ctx.get(f"{key}.bypass_mode"):
+        if level is not None:
+            out.append(
+                f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+                f"{key}.rollout_is={level} would weight every token by exp(0) = 1; set rollout_is=null "
+                "with bypass_mode, or bypass_mode=false to correct rollout -> actor"
+            )
+        if engine not in ENGINES_WITH_LOG_PROBS:
+            out.append(
+                f"{key}.bypass_mode=true needs the rollout engine's log-probs, which {ROLLOUT}.name={engine!r} "
+                f"does not return; use one of: {', '.join(ENGINES_WITH_LOG_PROBS)}"
+            )
+        if ctx.get("actor_rollout_ref.actor.router_replay.mode") == "R2":
+            out.append(
+                f"{key}.bypass_mode=true skips the old-log-prob pass, where router_replay.mode=R2 records "
+                "the routes its updates replay; use mode=R3 (GPU) or bypass_mode=false"
+            )
     if level is not None and engine not in ENGINES_WITH_LOG_PROBS:
         out.append(
             f"{key}.rollout_is={level} weights tokens by the rollout engine's log-probs, which "

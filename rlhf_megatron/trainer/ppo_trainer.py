@@ -201,10 +201,13 @@ class PPOTrainer:
         with timer("reward"):
             batch["token_level_scores"], reward_metrics = self.score(batch, self.reward_fn)
             metrics.update(reward_metrics)
-        with timer("old_log_prob"):
-            old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
-            batch = batch.union(old.select(["old_log_probs"]))
-        metrics.update(compute_rollout_mismatch_metrics(batch))
+        if cfg.algorithm.rollout_correction.bypass_mode:  # pi_old = pi_rollout: no actor pass
+            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+        else:
+            with timer("old_log_prob"):
+                old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
+                batch = batch.union(old.select(["old_log_probs"]))
+            metrics.update(compute_rollout_mismatch_metrics(batch))
         # Off-policy correction (algorithm.rollout_correction): rollout -> actor importance weights.
         metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
         if plan.ref:

@@ -578,3 +578,31 @@ def test_partial_rollout_needs_an_overlapping_mode_and_a_vllm_rollout():
     text = "\n".join(_errors(*DISAGGREGATED, "trainer.rollout_mode=one_step_off", "trainer.partial_rollout=true",
                              "actor_rollout_ref.rollout.name=hf"))  # fmt: skip
     assert "trainer.partial_rollout=true needs actor_rollout_ref.rollout.name=vllm" in text
+
+
+def test_bypass_mode_is_valid_alone_and_refuses_what_it_makes_meaningless():
+    assert _errors(f"{RC}.bypass_mode=true") == []
+    errors = _errors(f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token", f"{R}.name=sglang")
+    assert any(
+        "algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+        "algorithm.rollout_correction.rollout_is=token would weight every token by exp(0) = 1" in e
+        for e in errors
+    ), errors
+    assert any(
+        "bypass_mode=true needs the rollout engine's log-probs, which actor_rollout_ref.rollout.name='sglang'"
+        in e
+        for e in errors
+    ), errors
+    errors = _errors(f"{RC}.bypass_mode=true", f"{A}.router_replay.mode=R2")
+    assert any("skips the old-log-prob pass, where router_replay.mode=R2 records" in e for e in errors), errors
+
+
+def test_shared_prompt_packing_defaults_on_for_cpu_only():
+    def packing(*overrides):
+        cfg = load_config(None, [*VALID, *overrides])  # normalised, as every run is
+        return cfg.actor_rollout_ref.model.shared_prompt_packing, cfg.critic.model.shared_prompt_packing
+
+    assert packing("trainer.device=cpu") == (True, True)
+    assert packing("trainer.device=cuda") == (False, False)
+    assert packing("trainer.device=cuda", "actor_rollout_ref.model.shared_prompt_packing=true") == (True, False)
+    assert packing("trainer.device=cpu", "critic.model.shared_prompt_packing=false") == (True, False)
