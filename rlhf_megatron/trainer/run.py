@@ -42,6 +42,10 @@ WORKER_ENV = {
 }
 
 
+INLINE_OBJECT_BYTES = 1 << 20
+"""Ray's ``max_direct_call_object_size`` for a Ray this process starts (Ray's default: 100 KiB)."""
+
+
 def _init_ray(run: RunConfig) -> bool:
     """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray. Returns True if we started it."""
     import ray
@@ -63,6 +67,10 @@ def _init_ray(run: RunConfig) -> bool:
         include_dashboard=False,
         runtime_env={"env_vars": env},
         log_to_driver=False,
+        # Arguments and results up to this size travel inside the call instead of through the
+        # shared-memory object store: a call with a quickstart-sized Batch (~120 KB per rank) takes
+        # ~2 ms instead of ~5 ms. Batches of real runs are far larger and still take the store.
+        _system_config={"max_direct_call_object_size": INLINE_OBJECT_BYTES},
     )
     return True
 
