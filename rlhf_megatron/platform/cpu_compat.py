@@ -26,6 +26,9 @@ Patches, one by one, with the reason for each:
    through a factory or ``to``. Only those calls pay the wrapper's Python (under a
    microsecond); a ``TorchFunctionMode`` catching every torch call (what this layer used
    first) added ~3.4 us to *every* op, about a sixth of a small model's training step.
+   The wrapped tensor methods are registered with ``torch.compiler.allow_in_graph``: vLLM
+   compiles its model with ``fullgraph=True`` when ``enforce_eager`` is off, and Dynamo cannot
+   trace a Python wrapper that forwards to a C method.
 4. ``torch.cuda.get_rng_state``, ``set_rng_state`` and ``manual_seed`` act
    on the CPU generator, and megatron's own
    ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` do
@@ -226,6 +229,15 @@ def _patch_megatron_rng() -> None:
     mcore_random._set_cuda_rng_state = _cpu_set_rng_state
 
 
+def _keep_compilable() -> None:
+    """Let torch.compile put the wrapped tensor methods in its graph as calls (vLLM compiles its
+    model with fullgraph=True on CPU too): Dynamo would otherwise trace into the wrapper and stop
+    at the C method it forwards to. AOT tracing still runs the wrapper, so the device rewrite
+    holds inside compiled code."""
+    for method in (torch.Tensor.to, torch.Tensor.type, *(getattr(torch.Tensor, n) for n in _TENSOR_FACTORIES)):
+        torch.compiler.allow_in_graph(method)
+
+
 def enable_cpu_compat() -> None:
     """Apply every patch listed in the module docstring. Idempotent, process-wide."""
     global _enabled
@@ -264,6 +276,7 @@ def enable_cpu_compat() -> None:
         _patch_megatron_rng()
         # 5
         torch.Tensor.type = _tensor_type
+        _keep_compilable()
         # 6
         cuda.Stream = _InertStream
         cuda.Event = _InertEvent

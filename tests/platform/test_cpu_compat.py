@@ -73,6 +73,23 @@ def test_the_layer_leaves_other_ops_alone():
     assert scripted(3).tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_wrapped_methods_compile_in_a_full_graph(backend):
+    """vLLM compiles its model with fullgraph=True on CPU (enforce_eager off, EasyR1's default):
+    a wrapped tensor method must not break the graph, and the device rewrite still holds."""
+    setup_platform()
+
+    def f(x):
+        a = x.to(torch.float32) * 2 + x.to("cuda", dtype=torch.float32)
+        b = x.new_zeros(4, device="cuda") + torch.zeros(4, device="cuda") + x.type(torch.float64)
+        return a.sum() + b.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    out = compiled(torch.ones(4, dtype=torch.bfloat16))
+    assert out.device.type == "cpu" and out.item() == 16.0
+
+
 def test_tensor_type_reports_cuda_names_only_without_arguments():
     setup_platform()
     x = torch.ones(2)
