@@ -22,7 +22,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -144,6 +144,14 @@ class PPOTrainer:
             self.rollouts.close()
         return self.history
 
+    def _sync_point(self, step: int) -> bool:
+        """Whether validation or a checkpoint follows ``step`` (as ``fit`` decides)."""
+        trainer = self.cfg.trainer
+        if step == self.total_steps:
+            return True
+        validates = trainer.test_freq > 0 and step % trainer.test_freq == 0
+        return validates or (trainer.save_freq > 0 and step % trainer.save_freq == 0)
+
     def staleness(self) -> int:
         """The scheduler's bound: 0 for sync, at most 1 for one_step_off, ``max_staleness`` for async."""
         trainer = self.cfg.trainer
@@ -177,14 +185,15 @@ class PPOTrainer:
         wall = time.time()
         batch, queue_metrics = self.rollouts.take(step)
         metrics.update(queue_metrics)
-        if self.rollout is None:  # colocated: the wait was the generation
+        # The generating ranks' own clock: the generation may have started during the previous
+        # step (a rollout pool's, or one queued behind the weight sync).
+        gen_start, gen_end = batch.meta_info.get("gen_start"), batch.meta_info.get("gen_end")
+        if gen_start is not None:
+            timings["gen"] = gen_end - gen_start
+            spans["rollout/gen"] = (gen_start, gen_end)
+        elif self.rollout is None:  # a batch without the clock (restored from an older checkpoint)
             timings["gen"] = queue_metrics["timing_s/wait_gen"]
             spans["rollout/gen"] = (wall, time.time())
-        else:  # the rollout pool's own clock; it may have run during the previous step
-            gen_start, gen_end = batch.meta_info.get("gen_start"), batch.meta_info.get("gen_end")
-            if gen_start is not None:
-                timings["gen"] = gen_end - gen_start
-                spans["rollout/gen"] = (gen_start, gen_end)
         timer = functools.partial(span_timer, timings=timings, spans=spans)
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
@@ -231,13 +240,16 @@ class PPOTrainer:
             # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
             # rollout is idle or needs them), so the sync is timed as its own phase.
             with timer("sync_weights"):
-                metrics.update(self.rollouts.after_update(step))
+                metrics.update(self.rollouts.after_update(step, prefetch=not self._sync_point(step)))
         seconds = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
         for name, (begin, end) in spans.items():
             role, phase = name.split("/", 1)
             metrics[f"timeline/{role}/{phase}/start_s"] = begin - self.t0
             metrics[f"timeline/{role}/{phase}/end_s"] = end - self.t0
+        # Where the step began on the wall clock: the steady-state time per step is the distance
+        # between consecutive steps' starts (``timing_s/step`` leaves out logging between steps).
+        metrics["timeline/step_start_s"] = wall - self.t0
         metrics.update(compute_data_metrics(batch, plan.critic))
         metrics.update(
             compute_perf_metrics(
@@ -318,12 +330,21 @@ class PPOTrainer:
     def push_weights(self, version: int) -> dict[str, float]:
         """Give the rollout the actor's current weights (``version`` updates): colocated, through the
         actor's own engine; disaggregated, streamed from the trainer's rank 0 to the rollout pool."""
+        return self.submit_weights(version)()
+
+    def submit_weights(self, version: int) -> Callable[[], dict[str, float]]:
+        """Start ``push_weights``; the returned function waits for it and gives its ``sync/*`` metrics.
+        Calls submitted to the rollout after this one run with the new weights."""
         if self.rollout is None:
-            return self.actor.call("sync_weights", dispatch="rank0")
+            return self.actor.submit("sync_weights", dispatch="rank0").result
         send = self.actor.submit("send_weights", version, dispatch="rank0")
         receive = self.rollout.submit("receive_weights", version, dispatch="rank0")
-        sent, received = wait_all([send, receive])
-        return {**sent, **received}
+
+        def wait() -> dict[str, float]:
+            sent, received = wait_all([send, receive])
+            return {**sent, **received}
+
+        return wait
 
     def _greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, broadcast to that prompt's samples."""

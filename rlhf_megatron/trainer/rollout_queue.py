@@ -190,16 +190,24 @@ class RolloutScheduler:
         }
 
     # ------------------------------------------------------------------ weights
-    def after_update(self, step: int) -> dict[str, float]:
+    def after_update(self, step: int, prefetch: bool = False) -> dict[str, float]:
         """Sync the rollout to the weights after ``step`` unless two or more generations are still queued
-        (then the rollout has work, and the weights go over after the next update)."""
+        (then the rollout has work, and the weights go over after the next update).
+
+        ``prefetch`` (sync schedule only; the trainer passes it unless a checkpoint or validation
+        follows the step): the next step's generation is submitted right behind the weights, so the
+        rollout starts it while the driver finishes this step. It is the generation the next
+        ``take`` would submit (same prompts, seed and weights), only earlier."""
         version = actor_version(step, self.trainer.critic_warmup)
         if version == self.rollout_version or len(self.queue) > 1:
             return {}
-        return self.sync(version)
+        prefetch = prefetch and self.staleness == 0 and not self.partial
+        return self.sync(version, fill_from=step + 1 if prefetch else None)
 
-    def sync(self, version: int) -> dict[str, float]:
-        """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order)."""
+    def sync(self, version: int, fill_from: int | None = None) -> dict[str, float]:
+        """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order);
+        with ``fill_from``, the generations that may then start for step ``fill_from`` on are
+        submitted before waiting for the weights to arrive."""
         if version == self.rollout_version:
             return {}
         if self.partial and any(gen.batch is None for gen in self.queue):
@@ -209,8 +217,11 @@ class RolloutScheduler:
         # costs nothing and blames a failure on the call that met it (a generation, not the sync).
         for gen in self.queue:
             self._finish(gen)
-        metrics = self.trainer.push_weights(version)
+        wait = self.trainer.submit_weights(version)
         self.rollout_version = version
+        if fill_from is not None:
+            self._fill(fill_from)
+        metrics = wait()
         if self.partial:
             self._continue()
         return metrics

@@ -173,7 +173,9 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     ) -> Batch:
         """``n`` responses per prompt (``val_kwargs`` when ``validate``, one greedy sample when
         ``greedy``); syncs stale weights first. ``seed`` makes the samples a function of
-        (weights, prompts, seed): the driver passes one per step so resumed runs match."""
+        (weights, prompts, seed): the driver passes one per step so resumed runs match. The
+        batch's ``meta_info`` carries the generation's wall-clock ``gen_start``/``gen_end``
+        (the driver may have queued the call before this rank was free to run it)."""
         if not (validate or greedy):
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
         if self.rollout is None:
@@ -181,14 +183,17 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 f"[actor] rank {self.rank}: generate_sequences on the actor, but the rollout runs on its own "
                 "pool (actor_rollout_ref.hybrid_engine=false)"
             )
+        start = time.time()
         if self.weights_stale:
             self.sync_weights()
         megatron = self.section.actor.megatron
         with self.actor.offloaded(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload):
             replica = self.rank // self.rollout_tp
-            return sample(
+            out = sample(
                 self.rollout, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
             )
+        out.meta_info.update(gen_start=start, gen_end=time.time())
+        return out
 
     # ------------------------------------------------------------------ log-probs
     def _log_prob_fn(self):

@@ -42,10 +42,10 @@ class _Trainer:
     def finish_generate(self, pending, prompts, version):
         return pending.result()
 
-    def push_weights(self, version):
+    def submit_weights(self, version):
         self.events.append(("sync", version))
         self.rollout_holds = version
-        return {}
+        return lambda: {}
 
 
 def _prompts():
@@ -53,21 +53,47 @@ def _prompts():
         yield Batch.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
 
 
-def _simulate(staleness, total=5, critic_warmup=0):
+def _simulate(staleness, total=5, critic_warmup=0, prefetch=False):
     trainer = _Trainer(total, critic_warmup)
     sched = RolloutScheduler(trainer, _prompts(), staleness)
     lags = []
     for step in range(1, total + 1):
         _, metrics = sched.take(step)
         lags.append(metrics["async/staleness_max"])
-        sched.after_update(step)
+        trainer.events.append(("update", step))
+        sched.after_update(step, prefetch=prefetch)
     return trainer.events, lags
 
 
 def test_staleness_zero_is_the_sync_schedule():
     events, lags = _simulate(0, total=3)
-    assert events == [("gen", 1, 0), ("sync", 1), ("gen", 2, 1), ("sync", 2), ("gen", 3, 2), ("sync", 3)]
+    assert events == [
+        ("gen", 1, 0), ("update", 1), ("sync", 1), ("gen", 2, 1), ("update", 2), ("sync", 2),
+        ("gen", 3, 2), ("update", 3), ("sync", 3),
+    ]  # fmt: skip
     assert lags == [0, 0, 0]
+
+
+def test_prefetch_submits_the_next_generation_behind_the_sync_with_the_same_weights():
+    events, lags = _simulate(0, total=3, prefetch=True)
+    assert events == _simulate(0, total=3)[0]  # the same calls in the same order, with the same weights
+    assert lags == [0, 0, 0]
+    trainer = _Trainer(3)
+    sched = RolloutScheduler(trainer, _prompts(), 0)
+    sched.take(1)
+    sched.after_update(1, prefetch=True)
+    assert trainer.events[-2:] == [("sync", 1), ("gen", 2, 1)]  # before the driver's next take
+    assert [g.step for g in sched.queue] == [2]
+    trainer = _Trainer(1)
+    sched = RolloutScheduler(trainer, _prompts(), 0)
+    sched.take(1)
+    sched.after_update(1, prefetch=True)  # the last step: nothing left to generate
+    assert trainer.events[-1] == ("sync", 1) and not sched.queue
+
+
+def test_prefetch_leaves_the_async_schedules_alone():
+    for staleness in (1, 2):
+        assert _simulate(staleness, total=4, prefetch=True) == _simulate(staleness, total=4)
 
 
 def test_one_step_off_generates_the_next_batch_with_the_previous_weights():
