@@ -233,14 +233,16 @@ class PPOTrainer:
                     mean_over_ranks(self.critic.call("update_critic", batch, step, dispatch="dp_compute"))
                 )
         if step > cfg.trainer.critic_warmup:
+            prefetch = not self._sync_point(step)
             with timer("update_actor"):
-                metrics.update(
-                    mean_over_ranks(self.actor.call("update_actor", batch, step, dispatch="dp_compute"))
-                )
+                update = self.actor.submit("update_actor", batch, step, dispatch="dp_compute")
+                if prefetch:  # the next step's prompts, loaded while the actor trains
+                    self.rollouts.draw_ahead(step + 1)
+                metrics.update(mean_over_ranks(update.result()))
             # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
             # rollout is idle or needs them), so the sync is timed as its own phase.
             with timer("sync_weights"):
-                metrics.update(self.rollouts.after_update(step, prefetch=not self._sync_point(step)))
+                metrics.update(self.rollouts.after_update(step, prefetch=prefetch))
         seconds = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
         for name, (begin, end) in spans.items():

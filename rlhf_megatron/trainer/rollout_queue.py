@@ -95,11 +95,16 @@ class RolloutScheduler:
         self.next_step = trainer.global_step + 1
         self.rollout_version = actor_version(trainer.global_step, trainer.critic_warmup)
         self.dropped = 0
+        self.drawn: tuple[int, Batch] | None = None
+        """(step, prompts) drawn ahead of their generation's submission (``draw_ahead``)."""
 
     # ------------------------------------------------------------------ generations
     def _submit(self, step: int) -> None:
         t = self.trainer
-        prompts = next(self.prompts)
+        if self.drawn is not None and self.drawn[0] == step:
+            prompts, self.drawn = self.drawn[1], None
+        else:
+            prompts = next(self.prompts)
         # The GRPO-family estimators group responses by this per-prompt uid (unique per step).
         prompts["uid"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
         gen = _Generation(step, prompts, seed=t.seeds.generation(step))
@@ -189,6 +194,14 @@ class RolloutScheduler:
             "timing_s/wait_gen": time.perf_counter() - start,
         }
 
+    def draw_ahead(self, step: int) -> None:
+        """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
+        actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation
+        behind the weight sync costs the driver no data loading while the rollout waits for it."""
+        if self.staleness == 0 and not self.partial and self.drawn is None and self.next_step == step:
+            if step <= self.trainer.total_steps:
+                self.drawn = (step, next(self.prompts))
+
     # ------------------------------------------------------------------ weights
     def after_update(self, step: int, prefetch: bool = False) -> dict[str, float]:
         """Sync the rollout to the weights after ``step`` unless two or more generations are still queued
@@ -227,10 +240,16 @@ class RolloutScheduler:
         return metrics
 
     def drain(self, version: int) -> dict[str, float]:
-        """A sync point: every queued generation finishes, then the rollout gets ``version``."""
+        """A sync point: every queued generation finishes, then the rollout gets ``version``.
+        Prompts drawn ahead go out first, so a checkpoint saves their batch with the loader's state."""
         for gen in self.queue:
             self._finish(gen)
-        return self.sync(version)
+        metrics = self.sync(version)
+        if self.drawn is not None:
+            self._fill(self.drawn[0])
+            for gen in self.queue:
+                self._finish(gen)
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> list[tuple[int, Batch, Batch]]:

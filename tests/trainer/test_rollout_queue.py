@@ -61,6 +61,8 @@ def _simulate(staleness, total=5, critic_warmup=0, prefetch=False):
         _, metrics = sched.take(step)
         lags.append(metrics["async/staleness_max"])
         trainer.events.append(("update", step))
+        if prefetch:
+            sched.draw_ahead(step + 1)
         sched.after_update(step, prefetch=prefetch)
     return trainer.events, lags
 
@@ -89,6 +91,36 @@ def test_prefetch_submits_the_next_generation_behind_the_sync_with_the_same_weig
     sched.take(1)
     sched.after_update(1, prefetch=True)  # the last step: nothing left to generate
     assert trainer.events[-1] == ("sync", 1) and not sched.queue
+
+
+def _numbered_prompts(drawn):
+    n = 0
+    while True:
+        n += 1
+        drawn.append(n)
+        yield Batch.from_dict({"input_ids": torch.full((2, 3), n, dtype=torch.long)})
+
+
+def test_prompts_drawn_ahead_feed_the_next_generation_once_and_a_sync_point_sends_them_out():
+    drawn = []
+    trainer = _Trainer(4)
+    sched = RolloutScheduler(trainer, _numbered_prompts(drawn), 0)
+    sched.take(1)
+    sched.draw_ahead(2)
+    sched.draw_ahead(2)  # already drawn: the loader is not read twice
+    assert drawn == [1, 2] and not sched.queue
+    sched.after_update(1, prefetch=True)
+    assert sched.drawn is None and [int(g.prompts["input_ids"][0, 0]) for g in sched.queue] == [2]
+    batch, _ = sched.take(2)
+    sched.draw_ahead(3)
+    sched.drain(2)  # a sync point came after all (e.g. the run is saved): step 3's batch goes out
+    assert sched.drawn is None and [(g.step, g.batch is not None) for g in sched.queue] == [(3, True)]
+    assert trainer.events[-2:] == [("sync", 2), ("gen", 3, 2)] and drawn == [1, 2, 3]
+    for staleness in (1, 2):  # the async schedules draw when they submit
+        sched = RolloutScheduler(_Trainer(4), _prompts(), staleness)
+        sched.take(1)
+        sched.draw_ahead(sched.next_step)
+        assert sched.drawn is None
 
 
 def test_prefetch_leaves_the_async_schedules_alone():
