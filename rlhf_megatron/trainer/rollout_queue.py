@@ -198,9 +198,9 @@ class RolloutScheduler:
         """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
         actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation
         behind the weight sync costs the driver no data loading while the rollout waits for it."""
-        if self.staleness == 0 and not self.partial and self.drawn is None and self.next_step == step:
-            if step <= self.trainer.total_steps:
-                self.drawn = (step, next(self.prompts))
+        sync = self.staleness == 0 and not self.partial
+        if sync and self.drawn is None and self.next_step == step <= self.trainer.total_steps:
+            self.drawn = (step, next(self.prompts))
 
     # ------------------------------------------------------------------ weights
     def after_update(self, step: int, prefetch: bool = False) -> dict[str, float]:
