@@ -130,10 +130,9 @@ class PPOTrainer:
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step(self.global_step)
-                last = self.global_step == self.total_steps
-                if trainer.test_freq > 0 and (self.global_step % trainer.test_freq == 0 or last):
+                if self._validates_after(self.global_step):
                     metrics.update(self.validate())
-                if (trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0) or last:
+                if self._saves_after(self.global_step):
                     start = time.perf_counter()
                     self.save_checkpoint()
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
@@ -144,13 +143,19 @@ class PPOTrainer:
             self.rollouts.close()
         return self.history
 
+    def _validates_after(self, step: int) -> bool:
+        """Whether ``fit`` validates after ``step``: every ``test_freq`` steps and after the last."""
+        freq = self.cfg.trainer.test_freq
+        return freq > 0 and (step % freq == 0 or step == self.total_steps)
+
+    def _saves_after(self, step: int) -> bool:
+        """Whether ``fit`` saves a checkpoint after ``step``: every ``save_freq`` steps and after the last."""
+        freq = self.cfg.trainer.save_freq
+        return (freq > 0 and step % freq == 0) or step == self.total_steps
+
     def _sync_point(self, step: int) -> bool:
-        """Whether validation or a checkpoint follows ``step`` (as ``fit`` decides)."""
-        trainer = self.cfg.trainer
-        if step == self.total_steps:
-            return True
-        validates = trainer.test_freq > 0 and step % trainer.test_freq == 0
-        return validates or (trainer.save_freq > 0 and step % trainer.save_freq == 0)
+        """Whether validation or a checkpoint follows ``step``."""
+        return self._validates_after(step) or self._saves_after(step)
 
     def staleness(self) -> int:
         """The scheduler's bound: 0 for sync, at most 1 for one_step_off, ``max_staleness`` for async."""

@@ -98,6 +98,12 @@ class RolloutScheduler:
         self.drawn: tuple[int, Batch] | None = None
         """(step, prompts) drawn ahead of their generation's submission (``draw_ahead``)."""
 
+    @property
+    def prefetches(self) -> bool:
+        """The sync schedule (staleness 0, no partial rollout): the one that draws prompts and
+        queues the next generation ahead (``draw_ahead``, ``after_update(prefetch=True)``)."""
+        return self.staleness == 0 and not self.partial
+
     # ------------------------------------------------------------------ generations
     def _submit(self, step: int) -> None:
         t = self.trainer
@@ -198,8 +204,7 @@ class RolloutScheduler:
         """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
         actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation
         behind the weight sync costs the driver no data loading while the rollout waits for it."""
-        sync = self.staleness == 0 and not self.partial
-        if sync and self.drawn is None and self.next_step == step <= self.trainer.total_steps:
+        if self.prefetches and self.drawn is None and self.next_step == step <= self.trainer.total_steps:
             self.drawn = (step, next(self.prompts))
 
     # ------------------------------------------------------------------ weights
@@ -214,8 +219,7 @@ class RolloutScheduler:
         version = actor_version(step, self.trainer.critic_warmup)
         if version == self.rollout_version or len(self.queue) > 1:
             return {}
-        prefetch = prefetch and self.staleness == 0 and not self.partial
-        return self.sync(version, fill_from=step + 1 if prefetch else None)
+        return self.sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
 
     def sync(self, version: int, fill_from: int | None = None) -> dict[str, float]:
         """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order);
