@@ -22,6 +22,8 @@ fills them from an HF checkpoint.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +91,15 @@ class ParallelConfig:
 
 
 def use_transformer_engine() -> bool:
-    """Transformer-engine layers on GPU, megatron's local layers on CPU."""
-    return is_cuda()
+    """Transformer-engine layers on GPU where it is installed (the GPU image has it); megatron's
+    local layers on CPU, and on a GPU without transformer-engine (then attention is megatron's
+    unfused local one, which keeps the softmax of every layer for backward: see the planner)."""
+    return is_cuda() and transformer_engine_installed()
+
+
+@functools.cache
+def transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> None:
@@ -292,6 +301,11 @@ def build_gpt_model(
     ``router_aux_loss_coef``) or ``moe_enable_routing_replay=True``.
     """
     use_te = use_transformer_engine() if use_te is None else use_te
+    if use_te and not transformer_engine_installed():
+        raise ValueError(
+            "megatron.transformer_impl=transformer_engine, but transformer_engine is not installed in this "
+            "environment; install it (the GPU image has it) or set the role's megatron.transformer_impl=local"
+        )
     _check_parallel(arch, parallel, use_te)
     config = build_transformer_config(arch, parallel, params_dtype, init_weights, use_te, **config_overrides)
     spec = _layer_spec(arch, use_te)
@@ -336,5 +350,19 @@ def build_gpt_model(
                 freeze_vision(model)
         if not init_weights:
             mark_tensor_parallel_weights(model)
+        if not use_te:
+            _norms_to(model, params_dtype)
+        if is_cuda():  # as Megatron-LM's get_model: modules megatron does not place (torch norms) too
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _norms_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Megatron's local layers build their norms as plain torch modules in the default dtype
+    (fp32), where Megatron-LM's ``Float16Module`` would cast them to the model's dtype: cast
+    them here, as transformer-engine builds its norms in ``params_dtype`` (a bf16 model with
+    fp32 norm weights also misses torch's fused RMSNorm kernel)."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)

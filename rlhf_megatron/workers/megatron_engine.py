@@ -199,6 +199,41 @@ def packs_prompts(arch: ModelArch, parallel: ParallelConfig) -> bool:
     return arch.moe is None and arch.vision is None and parallel.context_parallel_size == 1
 
 
+def release_storages(tensors) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """Copy each distinct storage under ``tensors`` to host memory (pinned when it is on a GPU)
+    and free it (resized to 0 bytes); the tensors and every view of them stay valid objects.
+    Returns what ``restore_storages`` needs to refill them in place."""
+    saved, seen = [], set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        pinned = storage.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        host.copy_(_bytes_of(storage), non_blocking=pinned)
+        saved.append((storage, host))
+    if any(s.device.type == "cuda" for s, _ in saved):
+        torch.cuda.synchronize()  # the copies must land before the memory goes
+    for storage, _ in saved:
+        storage.resize_(0)
+    return saved
+
+
+def restore_storages(saved: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+    """Give every storage ``release_storages`` freed its memory and bytes back."""
+    for storage, host in saved:
+        storage.resize_(host.numel())
+        _bytes_of(storage).copy_(host, non_blocking=storage.device.type == "cuda")
+    if any(s.device.type == "cuda" for s, _ in saved):
+        torch.cuda.synchronize()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class MegatronEngine:
     """A Megatron model (plus optimizer and scheduler when trained) on this rank."""
 
@@ -245,6 +280,7 @@ class MegatronEngine:
             arch,
             parallel,
             params_dtype=DTYPES[megatron.params_dtype],
+            use_te={"auto": None, "transformer_engine": True, "local": False}[megatron.transformer_impl],
             init_weights=False,
             freeze_vision_tower=freeze_vision_tower,
             **overrides,
@@ -378,6 +414,13 @@ class MegatronEngine:
                 2 * self.parallel.context_parallel_size if self.parallel.context_parallel_size > 1 else 1
             )
             micro_batches = [self._narrow(m, multiple) for m in micro_batches]
+        # Workers receive batches in host memory; the model and the loss need them on its device.
+        device = next(self.chunks[0].parameters()).device
+        if device.type != "cpu":
+            micro_batches = [
+                {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in m.items()}
+                for m in micro_batches
+            ]
         n_chunks = len(self.chunks)
         if n_chunks > 1 and len(micro_batches) % self.parallel.pipeline_model_parallel_size:
             raise ValueError(
@@ -503,36 +546,36 @@ class MegatronEngine:
     # ------------------------------------------------------------------ offload (GPU colocation)
     @contextlib.contextmanager
     def offloaded(self, params: bool, grads: bool, optimizer: bool):
-        """Move parameters / grad buffers / optimizer states to host memory inside the block (GPU only)."""
+        """Inside the block, the chosen state lives in (pinned) host memory and its GPU memory is
+        free for vLLM (GPU only): ``params`` the model's weights (DDP's parameter buffers and any
+        parameter outside them, e.g. a frozen reference model's), ``grads`` DDP's gradient buffers,
+        ``optimizer`` the optimizer's fp32 main parameters and Adam moments.
+
+        Parameters and ``main_grad`` are views into DDP's buffers, so re-pointing a buffer would
+        leave its memory held by the views: the storages themselves are emptied and refilled in
+        place (``release_storages``), and every view is valid again after the block.
+        """
         if not torch.cuda.is_available() or not (params or grads or optimizer):
             yield
             return
-        moved = []
-        if params or grads:
-            for buf in self._buffers():
-                for attr, flag in (("param_data", params), ("grad_data", grads)):
-                    data = getattr(buf, attr, None)
-                    if flag and data is not None and data.is_cuda:
-                        setattr(buf, attr, data.to("cpu", non_blocking=True))
-                        moved.append((buf, attr))
-        states = []
+        tensors: list[torch.Tensor] = []
+        if params:
+            tensors += [p for chunk in self.chunks for p in chunk.parameters()]
+        if grads:
+            tensors += [
+                buf.grad_data for buf in self._buffers() if getattr(buf, "grad_data", None) is not None
+            ]
         if optimizer and self.optimizer is not None:
-            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                for state in getattr(opt, "optimizer", opt).state.values():
-                    for key, value in state.items():
-                        if torch.is_tensor(value) and value.is_cuda:
-                            state[key] = value.to("cpu", non_blocking=True)
-                            states.append((state, key))
-        torch.cuda.synchronize()
+            for opt in self._sub_optimizers():
+                inner = getattr(opt, "optimizer", opt)
+                tensors += [p for group in inner.param_groups for p in group["params"]]
+                tensors += [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+        saved = release_storages(t for t in tensors if t.is_cuda)
         torch.cuda.empty_cache()
         try:
             yield
         finally:
-            for buf, attr in moved:
-                setattr(buf, attr, getattr(buf, attr).to("cuda", non_blocking=True))
-            for state, key in states:
-                state[key] = state[key].to("cuda", non_blocking=True)
-            torch.cuda.synchronize()
+            restore_storages(saved)
 
     # ------------------------------------------------------------------ checkpoints
     def _sub_optimizers(self) -> list:

@@ -128,7 +128,8 @@ class MegatronRoleWorker(Worker):
         max_tokens: int | None = None,
         extra_keys: tuple[str, ...] = (),
     ) -> dict[str, torch.Tensor] | None:
-        """Forward-only over ``batch``; ``{name: [B, ...]}`` in row order on output ranks, else None."""
+        """Forward-only over ``batch``; ``{name: [B, ...]}`` in row order on output ranks (in host
+        memory: it goes back to the driver), else None."""
         micros = split_micro_batches(batch, (*MODEL_KEYS, *extra_keys), micro_batch_size, max_tokens)
 
         def loss_fn(output, micro):
@@ -140,7 +141,7 @@ class MegatronRoleWorker(Worker):
             return None
         rows = torch.cat([c["_rows"] for c in collected])
         order = torch.argsort(rows)
-        return {k: torch.cat([c[k] for c in collected])[order] for k in collected[0] if k != "_rows"}
+        return {k: torch.cat([c[k] for c in collected])[order].cpu() for k in collected[0] if k != "_rows"}
 
     # ------------------------------------------------------------------ PPO updates
     def train_ppo_epochs(
