@@ -12,14 +12,23 @@ for every role and every phase of a PPO step, and whether the peak fits
 * Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
   in Large Transformer Models"), adapted to RMSNorm, GQA and SwiGLU without dropout (RL
   fine-tuning runs with dropout 0): per token, 4h (norm inputs and outputs) + (2 q + 2 kv
-  + 3 ffn widths) in the activation dtype, plus 2 a s per token for the softmax when
-  attention is not recomputed. With sequence parallelism everything divides by TP,
+  + 3 ffn widths) in the activation dtype, plus the softmax when attention is not
+  recomputed: 2 a s bytes per token with transformer-engine (Korthikanti's term; not measured
+  here), 6 a s with megatron's local attention (``megatron.transformer_impl=local``, or
+  ``auto`` on CPU), which keeps the fp32 softmax output and its bf16 copy and also holds a
+  bf16 buffer of one layer's scores (megatron's global memory buffer) once it has run; the
+  local figures were measured on an H100 (``tools/gpu/measure.py``,
+  ``docs/gpu_h100_measure.json``). With sequence parallelism everything divides by TP,
   otherwise the 4h part does not; CP divides the sequence. Selective recomputation drops
   the softmax term; full recomputation keeps only each layer's input plus the layers being
   recomputed. The first 1F1B stage holds PP micro-batches in flight (x (1 + (PP-1)/(PP VPP))
   with interleaving); the last stage holds one plus the logits.
-* Logits of a micro-batch: bf16 logits, an fp32 copy and (training) an fp32 gradient,
-  vocab / TP per rank.
+* Logits of a micro-batch: the LM head's bf16 logits over every token, plus the loss's fp32
+  working set over the response positions (vocab / TP per rank each): 3 copies for the
+  log-prob pass (its input, log-softmax and exp), 7 for an update (with the entropy metric's
+  softmax and the log-probs' gradient); measured on an H100: 3.0 and 7.25. A forward-only
+  pass frees each layer's activations as it goes, so its peak is the larger of one layer's
+  and the logits'.
 * vLLM claims ``gpu_memory_utilization`` x GPU memory for weights (bf16 / rollout TP), its
   profiling activations and the KV cache; the KV cache gets what is left.
 * Phases of a colocated step: weight sync, generation, old/ref log-probs, critic values,
@@ -148,7 +157,8 @@ class RoleMemory:
 
     def forward_phase(self) -> float:
         """A forward-only pass (log-probs, values, rewards); offloaded grads/optimizer stay away."""
-        return self.with_weights() + self.forward_activations + self.forward_logits
+        # layer by layer, then the logits: no layer's activations are left when the logits exist
+        return self.with_weights() + max(self.forward_activations, self.forward_logits)
 
     def training_phase(self) -> float:
         """An update: everything on the GPU."""
@@ -261,8 +271,42 @@ def _dispatch_bytes(arch: ModelArch, m: DictConfig, tokens: float) -> float:
     return tokens / m.context_parallel_size * arch.moe.top_k * per_copy * (1 + etp)
 
 
+# Bytes per attention score (query x key pair) a layer keeps for backward: transformer-engine
+# (Korthikanti et al.'s bf16 softmax output), megatron's local attention (fp32 softmax output
+# + its bf16 copy). The local attention also keeps one bf16 buffer of a layer's scores.
+SCORE_BYTES = {"transformer_engine": 2, "local": 6}
+LOCAL_SCORE_BUFFER_BYTES = 2
+# fp32 copies of the response positions' logits the loss functions hold at their peak.
+LOG_PROB_LOGIT_COPIES = 3
+UPDATE_LOGIT_COPIES = 7
+
+
+def transformer_impl(cfg: DictConfig, m: DictConfig) -> str:
+    """The layers a role is built with: ``megatron.transformer_impl``, ``auto`` read as
+    transformer-engine on GPU (the GPU image carries it) and local on CPU."""
+    if m.transformer_impl != "auto":
+        return m.transformer_impl
+    return "local" if cfg.trainer.device == "cpu" else "transformer_engine"
+
+
+def _scores(arch: ModelArch, m: DictConfig, tokens: float, seq: int) -> float:
+    """Attention scores of ``tokens`` tokens on one rank: heads / TP x (local) queries x keys."""
+    tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
+    return tokens / cp * arch.num_attention_heads / tp * seq / cp
+
+
+def _score_buffer(arch: ModelArch, m: DictConfig, tokens: float, seq: int, impl: str) -> float:
+    """megatron's bf16 buffer of one layer's scores (local attention), held once attention has run."""
+    return LOCAL_SCORE_BUFFER_BYTES * _scores(arch, m, tokens, seq) if impl == "local" else 0.0
+
+
 def _activation_per_layer(
-    arch: ModelArch, m: DictConfig, tokens: float, seq: int, with_scores: bool
+    arch: ModelArch,
+    m: DictConfig,
+    tokens: float,
+    seq: int,
+    with_scores: bool,
+    impl: str = "transformer_engine",
 ) -> float:
     """Bytes one layer keeps for backward for ``tokens`` tokens (micro-batch x sequence)."""
     e = DTYPE_BYTES[m.params_dtype]
@@ -274,13 +318,12 @@ def _activation_per_layer(
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
     per_token = e * (replicated + split)
-    if with_scores:  # softmax probabilities: heads/TP x (local) queries x keys
-        per_token += e * arch.num_attention_heads / tp * seq / cp
-    return local_tokens * per_token
+    scores = SCORE_BYTES[impl] * _scores(arch, m, tokens, seq) if with_scores else 0.0
+    return local_tokens * per_token + scores
 
 
 def _stage_activations(
-    arch: ModelArch, m: DictConfig, tokens: float, seq: int, granularity: str | None
+    arch: ModelArch, m: DictConfig, tokens: float, seq: int, granularity: str | None, impl: str
 ) -> tuple[float, float]:
     """(first stage, last stage) training activations, bytes, excluding logits."""
     pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
@@ -290,21 +333,27 @@ def _stage_activations(
     inflight = float(pp)
     if vpp > 1:
         inflight *= 1 + (pp - 1) / (pp * vpp)
-    full = _activation_per_layer(arch, m, tokens, seq, with_scores=granularity is None)
+    full = _activation_per_layer(arch, m, tokens, seq, granularity is None, impl)
     if granularity == "full":
         e, tp, sp = DTYPE_BYTES[m.params_dtype], m.tensor_model_parallel_size, m.sequence_parallel
         layer_input = e * tokens / m.context_parallel_size * arch.hidden_size / (tp if sp and tp > 1 else 1)
         k = m.recompute_num_layers or 1
-        dense = _activation_per_layer(arch, m, tokens, seq, with_scores=True)
+        dense = _activation_per_layer(arch, m, tokens, seq, True, impl)
         if m.recompute_method == "block":  # first k layers of the stage recomputed, rest stored
             k = min(k, layers)
             per_microbatch, transient = k * layer_input + (layers - k) * dense, dense
         else:  # uniform: one checkpoint per k layers, k layers re-materialised at a time
             per_microbatch, transient = math.ceil(layers / k) * layer_input, k * dense
-        transient += _dispatch_bytes(arch, m, tokens)
+        transient += _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
         return per_microbatch * inflight + transient, per_microbatch + transient
-    dispatch = _dispatch_bytes(arch, m, tokens)
-    return layers * full * inflight + dispatch, layers * full + dispatch
+    held = _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
+    return layers * full * inflight + held, layers * full + held
+
+
+def _logits(tokens: float, response_share: float, vocab: float, e: int, copies: int) -> float:
+    """The LM head's logits of ``tokens`` tokens (activation dtype) plus ``copies`` fp32 copies of
+    the response positions' (``vocab`` per rank)."""
+    return tokens * vocab * (e + copies * 4 * response_share)
 
 
 def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:
@@ -358,15 +407,18 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
     vocab = 0 if value_head else arch.vocab_size
     master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
     fwd_tokens = _micro_tokens(cfg, forward_key, seq)
-    fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, with_scores=True)
-    fwd_act += _dispatch_bytes(arch, m, fwd_tokens)
+    impl = transformer_impl(cfg, m)
+    fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, True, impl)
+    fwd_act += _dispatch_bytes(arch, m, fwd_tokens) + _score_buffer(arch, m, fwd_tokens, seq, impl)
     if trains:
         tokens = _micro_tokens(cfg, train_key, seq)
-        acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity)
+        acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity, impl)
         acts_other = _stage_activations(
-            arch, m, tokens, seq, None if m.recompute_granularity else "selective"
+            arch, m, tokens, seq, None if m.recompute_granularity else "selective", impl
         )
 
+    # Value heads score the last token; the LM losses read the response positions.
+    response_share = cfg.data.max_response_length / seq
     ep, etp = _expert_split(m)
     edp = max(1, world // (etp * ep * pp))  # expert data-parallel size: shards the experts' optimizer
     layout = f"TP{tp} PP{pp} VPP{m.virtual_pipeline_model_parallel_size or '-'} CP{cp} DP{dp}"
@@ -391,10 +443,14 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
                 optimizer_other=(opt_full if m.use_distributed_optimizer else opt_sharded) if trains else 0.0,
                 activations=(acts[0] if first else acts[1]) if trains else 0.0,
                 activations_other=(acts_other[0] if first else acts_other[1]) if trains else 0.0,
-                # bf16 logits + fp32 copy (+ fp32 gradient when training), vocab / TP per rank
-                logits=tokens / cp * vocab / tp * (e + 8) if trains and last else 0.0,
+                # bf16 logits of every token + the loss's fp32 copies of the response positions'
+                logits=_logits(tokens, response_share, vocab / tp / cp, e, UPDATE_LOGIT_COPIES)
+                if trains and last
+                else 0.0,
                 forward_activations=fwd_act,
-                forward_logits=fwd_tokens / cp * vocab / tp * (e + 4) if last else 0.0,
+                forward_logits=_logits(fwd_tokens, response_share, vocab / tp / cp, e, LOG_PROB_LOGIT_COPIES)
+                if last
+                else 0.0,
                 trains=trains,
                 offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload},
             )

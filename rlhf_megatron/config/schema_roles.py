@@ -202,6 +202,12 @@ class MegatronConfig:
     recompute_num_layers: int | None = None
     """Layers per recomputation unit (uniform) or per stage (block); full granularity only."""
 
+    transformer_impl: str = "auto"
+    """Megatron-LM's ``--transformer-impl``: transformer_engine (TE's fused layers and attention),
+    local (megatron-core's own layers; its attention is unfused) or auto (transformer-engine on
+    GPU when it is installed, else local). The memory planner reads auto as transformer_engine
+    on GPU and local on CPU."""
+
 
 def _follow_actor_megatron(**overrides: Any) -> MegatronConfig:
     """A MegatronConfig whose layout keys interpolate the actor's, so a role that shares the

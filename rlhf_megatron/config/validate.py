@@ -83,6 +83,7 @@ _MEGATRON_CHOICES = {
     "params_dtype": ("bfloat16", "float16", "float32"),
     "recompute_granularity": (None, "selective", "full"),
     "recompute_method": (None, "uniform", "block"),
+    "transformer_impl": ("auto", "transformer_engine", "local"),
 }
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3", "auto")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")

@@ -151,6 +151,38 @@ def test_activation_formula_by_hand():
     assert actor.activations_other == pytest.approx(4 * tokens * (per_token_layer + 2 * 4 * 1024))
 
 
+def test_local_attention_keeps_fp32_softmax_and_a_score_buffer():
+    """megatron's local (unfused) attention, as measured on an H100 (docs/gpu_h100_measure.json):
+    6 bytes per score kept per layer (fp32 softmax output + bf16 copy), plus one bf16 buffer of a
+    layer's scores; selective recompute keeps only the buffer."""
+    local = "actor_rollout_ref.actor.megatron.transformer_impl=local"
+    tokens, scores = 4 * 1024, 4 * 4 * 1024 * 1024  # micro-batch 4 x 1024: 4 heads x 1024 x 1024 each
+    per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512)
+    actor = _actor(local)
+    assert actor.activations == pytest.approx(4 * (tokens * per_token_layer + 6 * scores) + 2 * scores)
+    assert actor.activations_other == pytest.approx(4 * tokens * per_token_layer + 2 * scores)  # selective
+    te = _actor("actor_rollout_ref.actor.megatron.transformer_impl=transformer_engine").activations
+    assert te == pytest.approx(4 * (tokens * per_token_layer + 2 * scores))
+    with pytest.raises(ConfigError, match="transformer_impl"):
+        make_cfg("actor_rollout_ref.actor.megatron.transformer_impl=te", validate=True)
+
+
+def test_logits_are_bf16_over_tokens_plus_fp32_copies_over_responses():
+    actor = _actor()
+    cfg = make_cfg(validate=True)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    share = cfg.data.max_response_length / seq
+    vocab = arch_for_role(cfg, "actor")[0].vocab_size
+    train_tokens = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * seq
+    fwd_tokens = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu * seq
+    assert actor.logits == pytest.approx(train_tokens * vocab * (2 + 7 * 4 * share))
+    assert actor.forward_logits == pytest.approx(fwd_tokens * vocab * (2 + 3 * 4 * share))
+    # a forward-only pass frees each layer before the logits exist: the larger of the two counts
+    assert actor.forward_phase() == pytest.approx(
+        actor.with_weights() + max(actor.forward_activations, actor.forward_logits)
+    )
+
+
 def test_recompute_and_tensor_parallelism_shrink_activations():
     none = _actor().activations
     selective = _actor("actor_rollout_ref.actor.megatron.recompute_granularity=selective").activations
@@ -168,11 +200,11 @@ def test_first_pipeline_stage_holds_pp_microbatches_in_flight():
     pp1 = _actor(selective).activations
     cfg = make_cfg(selective, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
     arch, m = arch_for_role(cfg, "actor")[0], cfg.actor_rollout_ref.actor.megatron
-    first, last = _stage_activations(arch, m, 4 * 1024, 1024, "selective")
+    first, last = _stage_activations(arch, m, 4 * 1024, 1024, "selective", "transformer_engine")
     assert first == pytest.approx(pp1)  # half the layers x 2 micro-batches in flight
     assert last == pytest.approx(pp1 / 2)  # half the layers x 1
     m.virtual_pipeline_model_parallel_size = 2
-    first_vpp, _ = _stage_activations(arch, m, 4 * 1024, 1024, "selective")
+    first_vpp, _ = _stage_activations(arch, m, 4 * 1024, 1024, "selective", "transformer_engine")
     assert first_vpp == pytest.approx(pp1 * (1 + 1 / 4))  # interleaving: x (1 + (pp - 1) / (pp * vpp))
 
 
