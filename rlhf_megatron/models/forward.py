@@ -305,68 +305,150 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _shifted_softmax_stats(logits: torch.Tensor, vocab_size: int | None, group):
-    """Shard-local ``shifted = z - max_global`` (padding columns -inf) and global ``log Σ exp``."""
-    rank = dist.get_rank(group) if group is not None else 0
-    local = logits.shape[-1]
-    start = rank * local
-    z = logits.float()
+# fp32 elements of one chunk of rows in the loss functions below (128 MiB): their float32
+# temporaries are a few chunks, not a few copies of the whole [tokens, vocab] logits.
+CHUNK_ELEMENTS = 32 * 2**20
+
+
+def _blocks(logits: torch.Tensor, chunk_elements: int) -> list[tuple[slice, slice]]:
+    """``(rows, positions)`` blocks of ``[B, S, V]`` logits with about ``chunk_elements`` logits
+    each: whole rows while a row fits, else pieces of one row (views, no copies)."""
+    batch, seq, local = logits.shape
+    step = max(1, chunk_elements // max(local, 1))
+    if step >= seq:
+        rows = step // seq
+        return [(slice(b, min(b + rows, batch)), slice(0, seq)) for b in range(0, batch, rows)]
+    return [
+        (slice(b, b + 1), slice(i, min(i + step, seq))) for b in range(batch) for i in range(0, seq, step)
+    ]
+
+
+def _as_3d(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """``t`` with leading dimensions folded or added so that it has ``dims`` dimensions."""
+    if t.dim() == dims:
+        return t
+    if t.dim() < dims:
+        return t.reshape((1,) * (dims - t.dim()) + tuple(t.shape))
+    return t.reshape(-1, *t.shape[t.dim() - dims + 1 :])
+
+
+def _masked_fp32(block: torch.Tensor, start: int, vocab_size: int | None) -> torch.Tensor:
+    """``block`` in fp32 with Megatron's padded vocabulary columns at -inf (they are not tokens;
+    HF's softmax has no such entries)."""
+    z = block.float()
+    local = block.shape[-1]
     if vocab_size is not None and start + local > vocab_size:
-        # Megatron's padded vocabulary rows are not tokens; HF's softmax has no such entries.
-        z = z.clone()
+        if z.data_ptr() == block.data_ptr():
+            z = z.clone()
         z[..., max(vocab_size - start, 0) :] = float("-inf")
-    zmax = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)  # (B, S)
+    return z
+
+
+def _shifted_and_lse(z: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(z - zmax, zmax, log Σ exp(z - zmax))`` with ``zmax`` and the sum over every TP shard."""
+    zmax = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
     shifted = z - zmax.unsqueeze(-1)
-    sum_exp = _all_reduce(shifted.exp().sum(dim=-1), dist.ReduceOp.SUM, group)  # (B, S)
-    return shifted, sum_exp.log(), start
+    sum_exp = _all_reduce(shifted.exp().sum(dim=-1), dist.ReduceOp.SUM, group)
+    return shifted, zmax, sum_exp.log()
+
+
+def _log_probs_of(block: torch.Tensor, ctx, rows, cols) -> torch.Tensor:
+    """fp32 log-softmax of a block of the saved logits, from the saved ``zmax`` and ``lse``."""
+    z = _masked_fp32(block, ctx.start, ctx.vocab_size)
+    return (z - ctx.zmax[rows, cols].unsqueeze(-1)) - ctx.lse[rows, cols].unsqueeze(-1)
+
+
+def _shard_start(logits: torch.Tensor, group) -> int:
+    return (dist.get_rank(group) if group is not None else 0) * logits.shape[-1]
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
+    """Block by block (``_blocks``): forward keeps each position's max and log-sum-exp (and the
+    logits it was given); backward recomputes the softmax block by block into the gradient."""
+
     @staticmethod
-    def forward(ctx, logits, labels, vocab_size, group):
-        shifted, lse, start = _shifted_softmax_stats(logits, vocab_size, group)
-        local = logits.shape[-1]
-        idx = labels - start
-        mine = (idx >= 0) & (idx < local)  # (B, S): this shard holds the label's column
-        picked = shifted.gather(-1, idx.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
-        picked = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
-        ctx.save_for_backward((shifted - lse.unsqueeze(-1)).exp(), idx, mine)
-        ctx.in_dtype = logits.dtype
-        return picked - lse  # (B, S)
+    def forward(ctx, logits, labels, vocab_size, group, chunk_elements):
+        x, y = _as_3d(logits, 3), _as_3d(labels, 2)
+        start, local = _shard_start(logits, group), logits.shape[-1]
+        out = torch.empty(y.shape, dtype=torch.float32, device=logits.device)
+        zmax, lse = torch.empty_like(out), torch.empty_like(out)
+        for rows, cols in _blocks(x, chunk_elements):
+            shifted, zmax[rows, cols], lse[rows, cols] = _shifted_and_lse(
+                _masked_fp32(x[rows, cols], start, vocab_size), group
+            )
+            idx = y[rows, cols] - start
+            mine = (idx >= 0) & (idx < local)  # this shard holds the label's column
+            picked = shifted.gather(-1, idx.clamp(0, local - 1).unsqueeze(-1)).squeeze(-1)
+            picked = _all_reduce(
+                torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group
+            )
+            out[rows, cols] = picked - lse[rows, cols]
+        ctx.save_for_backward(logits, labels)
+        ctx.zmax, ctx.lse = zmax, lse
+        ctx.vocab_size, ctx.start, ctx.chunk_elements = vocab_size, start, chunk_elements
+        return out.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        probs, idx, mine = ctx.saved_tensors
-        # d log p_label / d z_j = 1[j = label] - p_j
-        grad_logits = -probs * grad.unsqueeze(-1)
-        onehot = torch.zeros_like(probs).scatter_(-1, idx.clamp(0, probs.shape[-1] - 1).unsqueeze(-1), 1.0)
-        grad_logits += onehot * (mine * grad).unsqueeze(-1)
-        return grad_logits.to(ctx.in_dtype), None, None, None
+        logits, labels = ctx.saved_tensors
+        x, y, g_out = _as_3d(logits, 3), _as_3d(labels, 2), _as_3d(grad, 2)
+        local = logits.shape[-1]
+        grad_logits = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _blocks(x, ctx.chunk_elements):
+            g = g_out[rows, cols]
+            # d log p_label / d z_k = 1[k = label] - p_k
+            block = -_log_probs_of(x[rows, cols], ctx, rows, cols).exp() * g.unsqueeze(-1)
+            idx = y[rows, cols] - ctx.start
+            mine = (idx >= 0) & (idx < local)
+            block.scatter_add_(-1, idx.clamp(0, local - 1).unsqueeze(-1), (mine * g).unsqueeze(-1))
+            grad_logits[rows, cols] = block
+        return grad_logits.view(logits.shape), None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
+    """``H = -Σ p log p`` per position, block by block like ``_VocabParallelLogProb``."""
+
     @staticmethod
-    def forward(ctx, logits, vocab_size, group):
-        shifted, lse, _ = _shifted_softmax_stats(logits, vocab_size, group)
-        log_probs = shifted - lse.unsqueeze(-1)
-        probs = log_probs.exp()
-        # p·log p with p = 0 on padding columns (log p = -inf) counts as 0.
-        plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
-        entropy = -_all_reduce(plogp.sum(-1), dist.ReduceOp.SUM, group)  # (B, S)
-        ctx.save_for_backward(probs, log_probs, entropy)
-        ctx.in_dtype = logits.dtype
-        return entropy
+    def forward(ctx, logits, vocab_size, group, chunk_elements):
+        x = _as_3d(logits, 3)
+        start = _shard_start(logits, group)
+        entropy = torch.empty(x.shape[:-1], dtype=torch.float32, device=logits.device)
+        zmax, lse = torch.empty_like(entropy), torch.empty_like(entropy)
+        for rows, cols in _blocks(x, chunk_elements):
+            shifted, zmax[rows, cols], lse[rows, cols] = _shifted_and_lse(
+                _masked_fp32(x[rows, cols], start, vocab_size), group
+            )
+            log_probs = shifted - lse[rows, cols].unsqueeze(-1)
+            probs = log_probs.exp()
+            # p·log p with p = 0 on padding columns (log p = -inf) counts as 0.
+            plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
+            entropy[rows, cols] = -_all_reduce(plogp.sum(-1), dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(logits)
+        ctx.zmax, ctx.lse, ctx.entropy = zmax, lse, entropy
+        ctx.vocab_size, ctx.start, ctx.chunk_elements = vocab_size, start, chunk_elements
+        return entropy.view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad):
-        probs, log_probs, entropy = ctx.saved_tensors
-        # dH/dz_j = -p_j (log p_j + H)
-        inner = torch.where(probs > 0, log_probs + entropy.unsqueeze(-1), torch.zeros_like(log_probs))
-        return (-probs * inner * grad.unsqueeze(-1)).to(ctx.in_dtype), None, None
+        (logits,) = ctx.saved_tensors
+        x, g_out = _as_3d(logits, 3), _as_3d(grad, 2)
+        grad_logits = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _blocks(x, ctx.chunk_elements):
+            log_probs = _log_probs_of(x[rows, cols], ctx, rows, cols)
+            probs = log_probs.exp()
+            # dH/dz_k = -p_k (log p_k + H)
+            entropy = ctx.entropy[rows, cols].unsqueeze(-1)
+            inner = torch.where(probs > 0, log_probs + entropy, torch.zeros_like(log_probs))
+            grad_logits[rows, cols] = -probs * inner * g_out[rows, cols].unsqueeze(-1)
+        return grad_logits.view(logits.shape), None, None, None
 
 
 def vocab_parallel_log_probs(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, tp_group=None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    tp_group=None,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """``log softmax(logits)[..., labels]`` from vocabulary-sharded logits, without gathering them.
 
@@ -376,16 +458,18 @@ def vocab_parallel_log_probs(
     ``input_ids[:, 1:]`` against ``logits[:, :-1]``). ``vocab_size``: the real
     vocabulary; columns beyond it (megatron's padding) are excluded from the
     softmax. Returns fp32 ``[B, S]``, identical on every TP rank.
-    ``tp_group`` defaults to megatron's tensor-parallel group.
+    ``tp_group`` defaults to megatron's tensor-parallel group. Rows go through in chunks of
+    about ``chunk_elements`` logits: the fp32 working set is a few chunks, and backward
+    recomputes the softmax from the logits it keeps instead of holding fp32 probabilities.
     """
-    return _VocabParallelLogProb.apply(logits, labels, vocab_size, _tp_group(tp_group))
+    return _VocabParallelLogProb.apply(logits, labels, vocab_size, _tp_group(tp_group), chunk_elements)
 
 
 def vocab_parallel_entropy(
-    logits: torch.Tensor, vocab_size: int | None = None, tp_group=None
+    logits: torch.Tensor, vocab_size: int | None = None, tp_group=None, chunk_elements: int = CHUNK_ELEMENTS
 ) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` per position, ``[B, S]`` fp32, from vocabulary-sharded logits.
 
     Same sharding conventions as ``vocab_parallel_log_probs``.
     """
-    return _VocabParallelEntropy.apply(logits, vocab_size, _tp_group(tp_group))
+    return _VocabParallelEntropy.apply(logits, vocab_size, _tp_group(tp_group), chunk_elements)

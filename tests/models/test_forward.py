@@ -50,12 +50,18 @@ def _data(seed=0):
     return logits, labels, weights
 
 
-def test_single_shard_values_and_gradients():
+# Logits per block: everything at once (the default here), whole rows (5 positions), pieces of rows.
+CHUNKS = [None, 5 * PADDED, 2 * PADDED]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_single_shard_values_and_gradients(chunk):
     logits, labels, weights = _data()
     ref_lp, ref_ent = _reference(logits, labels)
     x = logits.clone().float().requires_grad_()
-    lp = vocab_parallel_log_probs(x, labels, VOCAB)
-    ent = vocab_parallel_entropy(x, VOCAB)
+    kw = {"chunk_elements": chunk} if chunk else {}
+    lp = vocab_parallel_log_probs(x, labels, VOCAB, **kw)
+    ent = vocab_parallel_entropy(x, VOCAB, **kw)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
     ((lp * weights).sum() + (ent * weights).sum()).backward()
@@ -66,6 +72,37 @@ def test_single_shard_values_and_gradients():
     assert torch.all(x.grad[..., VOCAB:] == 0)
 
 
+def test_blocks_keep_views_of_a_sliced_response_window():
+    """The loss functions get ``logits[:, -w - 1 : -1]`` (a strided view); their blocks are views of it."""
+    from rlhf_megatron.models.forward import _blocks
+
+    full = torch.randn(3, 9, 16)
+    window = full[:, 2:8]
+    for chunk, expected in ((10_000, 1), (6 * 16, 3), (4 * 16, 6)):
+        blocks = _blocks(window, chunk)
+        assert len(blocks) == expected
+        covered = torch.zeros(3, 6, dtype=torch.long)
+        for rows, cols in blocks:
+            assert window[rows, cols].data_ptr() >= full.data_ptr()  # a view, not a copy
+            covered[rows, cols] += 1
+        assert torch.all(covered == 1)
+
+
+def test_a_bf16_response_window_is_not_copied_whole():
+    """bf16 logits: the gradient is bf16 and equals the fp64 reference to bf16 precision."""
+    logits, labels, weights = _data()
+    full = torch.cat([logits, logits], dim=1).to(torch.bfloat16).requires_grad_()
+    window = full[:, 3:8]
+    lp = vocab_parallel_log_probs(window, labels, VOCAB, chunk_elements=2 * PADDED)
+    (lp * weights.float()).sum().backward()
+    y = window.detach().double().requires_grad_()
+    rlp, _ = _reference(y, labels)
+    (rlp * weights).sum().backward()
+    assert full.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(full.grad[:, 3:8].double(), y.grad, atol=2e-2, rtol=2e-2)
+    assert torch.all(full.grad[:, :3] == 0) and torch.all(full.grad[:, 8:] == 0)
+
+
 def _two_shards(rank, world_size):
     import torch.distributed as dist
 
@@ -73,8 +110,11 @@ def _two_shards(rank, world_size):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     logits, labels, weights = _data()
     shard = logits.float().chunk(world_size, dim=-1)[rank].clone().requires_grad_()
-    lp = vocab_parallel_log_probs(shard, labels, VOCAB, tp_group=dist.group.WORLD)
-    ent = vocab_parallel_entropy(shard, VOCAB, tp_group=dist.group.WORLD)
+    # pieces of rows: the collectives run per block, in the same order on both ranks
+    lp = vocab_parallel_log_probs(
+        shard, labels, VOCAB, tp_group=dist.group.WORLD, chunk_elements=3 * PADDED // 2
+    )
+    ent = vocab_parallel_entropy(shard, VOCAB, tp_group=dist.group.WORLD, chunk_elements=3 * PADDED // 2)
     ((lp * weights.float()).sum() + (ent * weights.float()).sum()).backward()
     dist.destroy_process_group()
     # numpy, not tensors: torch would share tensor memory through this (exiting) process.
