@@ -273,12 +273,16 @@ def _dispatch_bytes(arch: ModelArch, m: DictConfig, tokens: float) -> float:
 
 # Bytes per attention score (query x key pair) a layer keeps for backward: transformer-engine
 # (Korthikanti et al.'s bf16 softmax output), megatron's local attention (fp32 softmax output
-# + its bf16 copy). The local attention also keeps one bf16 buffer of a layer's scores.
+# + its bf16 copy). The local attention also keeps one bf16 buffer of a layer's scores, and
+# while a layer's softmax runs it holds 12 bytes a score (bf16 scores, their fp32 copy, the
+# fp32 softmax and its bf16 copy): the peak of a forward-only pass, and of a backward that
+# recomputes the core attention (selective).
 SCORE_BYTES = {"transformer_engine": 2, "local": 6}
 LOCAL_SCORE_BUFFER_BYTES = 2
-# fp32 copies of the response positions' logits the loss functions hold at their peak.
-LOG_PROB_LOGIT_COPIES = 3
-UPDATE_LOGIT_COPIES = 7
+LOCAL_SOFTMAX_PEAK_BYTES = 12
+# The loss functions (``models.forward.vocab_parallel_log_probs`` / ``_entropy``) go through the
+# logits in blocks of ``CHUNK_ELEMENTS`` (32 Mi) logits, with up to 4 fp32 temporaries each.
+LOSS_CHUNK_BYTES = 4 * 4 * 32 * 2**20
 
 
 def transformer_impl(cfg: DictConfig, m: DictConfig) -> str:
@@ -317,6 +321,10 @@ def _activation_per_layer(
     local_tokens = tokens / cp
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
+    if impl == "local":
+        # megatron's local attention repeats K and V to every query head (GQA), and its unfused
+        # SwiGLU keeps silu(gate) beside the product (measured on an H100)
+        split += 2 * (q - kv) / tp + (arch.ffn_hidden_size / tp if arch.moe is None else 0.0)
     per_token = e * (replicated + split)
     scores = SCORE_BYTES[impl] * _scores(arch, m, tokens, seq) if with_scores else 0.0
     return local_tokens * per_token + scores
@@ -347,13 +355,18 @@ def _stage_activations(
         transient += _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
         return per_microbatch * inflight + transient, per_microbatch + transient
     held = _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
+    if granularity == "selective" and impl == "local":  # a layer's softmax, recomputed in backward
+        held += LOCAL_SOFTMAX_PEAK_BYTES * _scores(arch, m, tokens, seq)
     return layers * full * inflight + held, layers * full + held
 
 
-def _logits(tokens: float, response_share: float, vocab: float, e: int, copies: int) -> float:
-    """The LM head's logits of ``tokens`` tokens (activation dtype) plus ``copies`` fp32 copies of
-    the response positions' (``vocab`` per rank)."""
-    return tokens * vocab * (e + copies * 4 * response_share)
+def _logits(tokens: float, response_share: float, vocab: float, e: int, trains: bool) -> float:
+    """The LM head's logits of ``tokens`` tokens (``vocab`` per rank, activation dtype), the loss
+    functions' fp32 blocks, and for an update the logits' gradient: over the response window,
+    then over every position."""
+    blocks = min(LOSS_CHUNK_BYTES, 4 * 4 * tokens * response_share * vocab)
+    grads = tokens * vocab * e * (1 + response_share) if trains else 0.0
+    return tokens * vocab * e + blocks + grads
 
 
 def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:
@@ -408,8 +421,11 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
     master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
     fwd_tokens = _micro_tokens(cfg, forward_key, seq)
     impl = transformer_impl(cfg, m)
-    fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, True, impl)
-    fwd_act += _dispatch_bytes(arch, m, fwd_tokens) + _score_buffer(arch, m, fwd_tokens, seq, impl)
+    fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, impl != "local", impl)
+    if impl == "local":  # one layer's softmax at its peak
+        fwd_act += LOCAL_SOFTMAX_PEAK_BYTES * _scores(arch, m, fwd_tokens, seq)
+    fwd_held = _score_buffer(arch, m, fwd_tokens, seq, impl)  # from the first layer on
+    fwd_act += _dispatch_bytes(arch, m, fwd_tokens) + fwd_held
     if trains:
         tokens = _micro_tokens(cfg, train_key, seq)
         acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity, impl)
@@ -444,11 +460,9 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
                 activations=(acts[0] if first else acts[1]) if trains else 0.0,
                 activations_other=(acts_other[0] if first else acts_other[1]) if trains else 0.0,
                 # bf16 logits of every token + the loss's fp32 copies of the response positions'
-                logits=_logits(tokens, response_share, vocab / tp / cp, e, UPDATE_LOGIT_COPIES)
-                if trains and last
-                else 0.0,
+                logits=_logits(tokens, response_share, vocab / tp / cp, e, True) if trains and last else 0.0,
                 forward_activations=fwd_act,
-                forward_logits=_logits(fwd_tokens, response_share, vocab / tp / cp, e, LOG_PROB_LOGIT_COPIES)
+                forward_logits=_logits(fwd_tokens, response_share, vocab / tp / cp, e, False) + fwd_held
                 if last
                 else 0.0,
                 trains=trains,

@@ -151,32 +151,45 @@ def test_activation_formula_by_hand():
     assert actor.activations_other == pytest.approx(4 * tokens * (per_token_layer + 2 * 4 * 1024))
 
 
-def test_local_attention_keeps_fp32_softmax_and_a_score_buffer():
+def test_local_attention_terms_measured_on_an_h100():
     """megatron's local (unfused) attention, as measured on an H100 (docs/gpu_h100_measure.json):
-    6 bytes per score kept per layer (fp32 softmax output + bf16 copy), plus one bf16 buffer of a
-    layer's scores; selective recompute keeps only the buffer."""
+    6 bytes per score kept per layer (fp32 softmax output + bf16 copy), one bf16 buffer of a
+    layer's scores, K/V repeated to every query head, silu(gate) kept beside the SwiGLU product;
+    selective recompute keeps no scores but recomputes one layer's softmax (12 bytes a score)."""
     local = "actor_rollout_ref.actor.megatron.transformer_impl=local"
     tokens, scores = 4 * 1024, 4 * 4 * 1024 * 1024  # micro-batch 4 x 1024: 4 heads x 1024 x 1024 each
     per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512)
+    local_per_token = per_token_layer + 2 * (2 * (256 - 128) + 512)
     actor = _actor(local)
-    assert actor.activations == pytest.approx(4 * (tokens * per_token_layer + 6 * scores) + 2 * scores)
-    assert actor.activations_other == pytest.approx(4 * tokens * per_token_layer + 2 * scores)  # selective
+    assert actor.activations == pytest.approx(4 * (tokens * local_per_token + 6 * scores) + 2 * scores)
+    selective = 4 * tokens * local_per_token + 2 * scores + 12 * scores
+    assert actor.activations_other == pytest.approx(selective)
+    rows = make_cfg(local, validate=True).actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    fwd_tokens, fwd_scores = rows * 1024, rows * 4 * 1024 * 1024
+    # a forward-only pass: one layer at a time, at its softmax's peak
+    assert actor.forward_activations == pytest.approx(fwd_tokens * local_per_token + (12 + 2) * fwd_scores)
     te = _actor("actor_rollout_ref.actor.megatron.transformer_impl=transformer_engine").activations
     assert te == pytest.approx(4 * (tokens * per_token_layer + 2 * scores))
     with pytest.raises(ConfigError, match="transformer_impl"):
         make_cfg("actor_rollout_ref.actor.megatron.transformer_impl=te", validate=True)
 
 
-def test_logits_are_bf16_over_tokens_plus_fp32_copies_over_responses():
+def test_logits_and_their_gradients_with_chunked_loss_functions():
+    from rlhf_megatron.config.planner import LOSS_CHUNK_BYTES
+    from rlhf_megatron.models.forward import CHUNK_ELEMENTS
+
+    assert LOSS_CHUNK_BYTES == 4 * 4 * CHUNK_ELEMENTS  # the planner knows the loss functions' block
     actor = _actor()
     cfg = make_cfg(validate=True)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     share = cfg.data.max_response_length / seq
     vocab = arch_for_role(cfg, "actor")[0].vocab_size
-    train_tokens = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * seq
-    fwd_tokens = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu * seq
-    assert actor.logits == pytest.approx(train_tokens * vocab * (2 + 7 * 4 * share))
-    assert actor.forward_logits == pytest.approx(fwd_tokens * vocab * (2 + 3 * 4 * share))
+    train = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * seq
+    fwd = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu * seq
+    blocks = lambda n: min(LOSS_CHUNK_BYTES, 16 * n * share * vocab)  # noqa: E731
+    # bf16 logits, the fp32 blocks, and (update) the gradient over the response window and every position
+    assert actor.logits == pytest.approx(train * vocab * 2 + blocks(train) + train * vocab * 2 * (1 + share))
+    assert actor.forward_logits == pytest.approx(fwd * vocab * 2 + blocks(fwd))
     # a forward-only pass frees each layer before the logits exist: the larger of the two counts
     assert actor.forward_phase() == pytest.approx(
         actor.with_weights() + max(actor.forward_activations, actor.forward_logits)
@@ -289,7 +302,8 @@ def test_disaggregated_plan_keeps_vllm_off_the_trainer_pool():
             assert same == {k: v for k, v in p.parts.items() if k != "vllm"}, p.name
     peaks = plan.pool_peaks()
     assert set(peaks) == {TRAINER_POOL, ROLLOUT_POOL}
-    assert peaks[TRAINER_POOL].name == "actor update" and "vllm" not in peaks[TRAINER_POOL].parts
+    # the critic update: the actor update is smaller since its loss works in blocks of logits
+    assert peaks[TRAINER_POOL].name == "critic update" and "vllm" not in peaks[TRAINER_POOL].parts
     # The rollout pool: vLLM's whole budget (weights / rollout TP inside it) and the runtime.
     arch = _arch("models/llama3.1_8b.yaml")
     assert plan.rollout.weights == count_parameters(arch).total * 2 / 2
@@ -302,7 +316,7 @@ def test_plan_cli_prints_both_pools(capsys):
     text = capsys.readouterr().out
     assert "trainer pool 16 GPUs + rollout pool 8 GPUs (disaggregated)" in text
     assert "vLLM (TP2, on the rollout pool: 4 engines)" in text
-    assert "peak, trainer pool (16 GPUs): actor update, " in text
+    assert "peak, trainer pool (16 GPUs): critic update, " in text
     assert "peak, rollout pool (8 GPUs): rollout: sync, " in text
     assert text.rstrip().endswith("-> fits")
     rows = [line for line in text.splitlines() if line.startswith("rollout: ")]
