@@ -45,3 +45,14 @@ def test_measure_script_tiny_on_cpu(tmp_path):
         assert run["update"]["tokens"] == 8 * 64 and run["update"]["tokens_per_s"] > 0
         assert result["planner"][mode]["update_planned_gib"] > 0
     assert "memory plan" in result["planner"]["plan_text"]
+    # --replan: the planner section again, from the file alone
+    result["planner"] = {}
+    out.write_text(json.dumps(result))
+    replan = subprocess.run(
+        [sys.executable, "tools/gpu/measure.py", "--replan", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert replan.returncode == 0, replan.stderr[-3000:]
+    planner = json.loads(out.read_text())["planner"]
+    assert planner["recomputed"]["how"].startswith("tools/gpu/measure.py --replan")
+    assert all(planner[mode]["update_planned_gib"] > 0 for mode in ("none", "selective", "full"))

@@ -206,8 +206,7 @@ def _event_median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def write_model(path: Path, shape: dict, cuda: bool) -> dict:
-    """A random Llama-style HF checkpoint (bf16 on GPU, fp32 on CPU), std 0.02 as in Llama's init."""
+def llama_config(shape: dict):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -226,6 +225,15 @@ def write_model(path: Path, shape: dict, cuda: bool) -> dict:
         eos_token_id=2,
         pad_token_id=0,
     )
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+def write_model(path: Path, shape: dict, cuda: bool) -> dict:
+    """A random Llama-style HF checkpoint (bf16 on GPU, fp32 on CPU), std 0.02 as in Llama's init."""
+    import transformers
+
+    config = llama_config(shape)
     dtype = torch.bfloat16 if cuda else torch.float32
     with Timer(cuda) as t:
         torch.manual_seed(0)
@@ -286,8 +294,8 @@ def run_config(args, model_dir: str) -> list[str]:
         "actor_rollout_ref.actor.optim.clip_grad=1.0",
         "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
         "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
-        # what this machine builds (and so what the planner should plan): TE where installed
-        f"actor_rollout_ref.actor.megatron.transformer_impl={'transformer_engine' if _installed('transformer_engine') else 'local'}",
+        # what the measured machine builds (and so what the planner should plan): TE where installed
+        f"actor_rollout_ref.actor.megatron.transformer_impl={args.transformer_impl}",
     ]
 
 
@@ -578,7 +586,15 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="recompute only the planner section of an existing --out JSON (CPU is enough: the planner is "
+        "arithmetic on the config) against the memory measured in it, e.g. after a planner change",
+    )
     args = parser.parse_args(argv)
+    if args.replan:
+        return replan(Path(args.out))
     defaults = (
         dict(model="tiny", prompt=32, response=32, mini_batch=8, micro=2)
         if args.tiny
@@ -588,6 +604,7 @@ def main(argv=None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.cuda = torch.cuda.is_available()
+    args.transformer_impl = "transformer_engine" if _installed("transformer_engine") else "local"
     if not args.cuda and not args.tiny:
         parser.error("no CUDA device here: run on the GPU machine (tools/gpu/run.sh), or pass --tiny")
 
@@ -651,6 +668,33 @@ def main(argv=None) -> int:
     destroy_distributed()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
+    print(summary(results), flush=True)
+    return 0
+
+
+def replan(path: Path) -> int:
+    """The planner section of ``path`` recomputed by this checkout's planner, against the peaks
+    measured in the same file; the section records when and that it was recomputed."""
+    import subprocess as sp
+
+    results = json.loads(path.read_text())
+    args = argparse.Namespace(**results["args"])
+    args.cuda = results["args"].get("cuda", True)
+    args.transformer_impl = "transformer_engine" if results["env"].get("transformer_engine") else "local"
+    with tempfile.TemporaryDirectory(prefix="replan_") as tmp:
+        llama_config(results["model"]["shape"]).save_pretrained(tmp)  # config.json only: no weights
+        results["planner"] = planner(args, tmp, results["runs"])
+    commit = sp.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    results["planner"]["recomputed"] = {
+        "at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": commit,
+        "how": "tools/gpu/measure.py --replan: this checkout's planner against the memory measured in this file",
+    }
+    tmp_path = path.with_suffix(".tmp")
+    tmp_path.write_text(json.dumps(results, indent=1, default=str))
+    os.replace(tmp_path, path)
     print(summary(results), flush=True)
     return 0
 
