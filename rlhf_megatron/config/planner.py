@@ -23,12 +23,13 @@ for every role and every phase of a PPO step, and whether the peak fits
   the softmax term; full recomputation keeps only each layer's input plus the layers being
   recomputed. The first 1F1B stage holds PP micro-batches in flight (x (1 + (PP-1)/(PP VPP))
   with interleaving); the last stage holds one plus the logits.
-* Logits of a micro-batch: the LM head's bf16 logits over every token, plus the loss's fp32
-  working set over the response positions (vocab / TP per rank each): 3 copies for the
-  log-prob pass (its input, log-softmax and exp), 7 for an update (with the entropy metric's
-  softmax and the log-probs' gradient); measured on an H100: 3.0 and 7.25. A forward-only
-  pass frees each layer's activations as it goes, so its peak is the larger of one layer's
-  and the logits'.
+* Logits of a micro-batch (vocab / TP per rank): the LM head's bf16 logits over every token,
+  the loss functions' fp32 blocks (they go through the logits in blocks of 32 Mi logits and
+  recompute the softmax in backward), and for an update the logits' gradient over the
+  response window and then over every position. Measured on an H100 before the loss functions
+  worked in blocks: 7.25 fp32 copies of the response window's logits at an update's peak, 3.0
+  for a log-prob pass. A forward-only pass frees each layer's activations as it goes, so its
+  peak is the larger of one layer's and the logits'.
 * vLLM claims ``gpu_memory_utilization`` x GPU memory for weights (bf16 / rollout TP), its
   profiling activations and the KV cache; the KV cache gets what is left.
 * Phases of a colocated step: weight sync, generation, old/ref log-probs, critic values,
@@ -304,6 +305,12 @@ def _score_buffer(arch: ModelArch, m: DictConfig, tokens: float, seq: int, impl:
     return LOCAL_SCORE_BUFFER_BYTES * _scores(arch, m, tokens, seq) if impl == "local" else 0.0
 
 
+def _softmax_peak(arch: ModelArch, m: DictConfig, tokens: float, seq: int, impl: str) -> float:
+    """One layer's softmax while it runs (local attention): what a forward-only pass, or a backward
+    that recomputes the core attention, holds at its peak beyond the layer's other activations."""
+    return LOCAL_SOFTMAX_PEAK_BYTES * _scores(arch, m, tokens, seq) if impl == "local" else 0.0
+
+
 def _activation_per_layer(
     arch: ModelArch,
     m: DictConfig,
@@ -355,8 +362,8 @@ def _stage_activations(
         transient += _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
         return per_microbatch * inflight + transient, per_microbatch + transient
     held = _dispatch_bytes(arch, m, tokens) + _score_buffer(arch, m, tokens, seq, impl)
-    if granularity == "selective" and impl == "local":  # a layer's softmax, recomputed in backward
-        held += LOCAL_SOFTMAX_PEAK_BYTES * _scores(arch, m, tokens, seq)
+    if granularity == "selective":  # a layer's softmax, recomputed in backward
+        held += _softmax_peak(arch, m, tokens, seq, impl)
     return layers * full * inflight + held, layers * full + held
 
 
@@ -421,9 +428,9 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
     master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
     fwd_tokens = _micro_tokens(cfg, forward_key, seq)
     impl = transformer_impl(cfg, m)
+    # one layer: its stored scores, or (local attention) its softmax at the peak
     fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, impl != "local", impl)
-    if impl == "local":  # one layer's softmax at its peak
-        fwd_act += LOCAL_SOFTMAX_PEAK_BYTES * _scores(arch, m, fwd_tokens, seq)
+    fwd_act += _softmax_peak(arch, m, fwd_tokens, seq, impl)
     fwd_held = _score_buffer(arch, m, fwd_tokens, seq, impl)  # from the first layer on
     fwd_act += _dispatch_bytes(arch, m, fwd_tokens) + fwd_held
     if trains:
@@ -459,7 +466,7 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
                 optimizer_other=(opt_full if m.use_distributed_optimizer else opt_sharded) if trains else 0.0,
                 activations=(acts[0] if first else acts[1]) if trains else 0.0,
                 activations_other=(acts_other[0] if first else acts_other[1]) if trains else 0.0,
-                # bf16 logits of every token + the loss's fp32 copies of the response positions'
+                # bf16 logits of every token, the loss's fp32 blocks, (update) the logits' gradient
                 logits=_logits(tokens, response_share, vocab / tp / cp, e, True) if trains and last else 0.0,
                 forward_activations=fwd_act,
                 forward_logits=_logits(fwd_tokens, response_share, vocab / tp / cp, e, False) + fwd_held

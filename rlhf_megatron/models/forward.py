@@ -323,8 +323,9 @@ def _blocks(logits: torch.Tensor, chunk_elements: int) -> list[tuple[slice, slic
     ]
 
 
-def _as_3d(t: torch.Tensor, dims: int) -> torch.Tensor:
-    """``t`` with leading dimensions folded or added so that it has ``dims`` dimensions."""
+def _with_dims(t: torch.Tensor, dims: int) -> torch.Tensor:
+    """``t`` with leading dimensions folded or added so that it has ``dims`` dimensions (the loss
+    functions work on ``[B, S, V]`` logits and ``[B, S]`` labels)."""
     if t.dim() == dims:
         return t
     if t.dim() < dims:
@@ -368,7 +369,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_size, group, chunk_elements):
-        x, y = _as_3d(logits, 3), _as_3d(labels, 2)
+        x, y = _with_dims(logits, 3), _with_dims(labels, 2)
         start, local = _shard_start(logits, group), logits.shape[-1]
         out = torch.empty(y.shape, dtype=torch.float32, device=logits.device)
         zmax, lse = torch.empty_like(out), torch.empty_like(out)
@@ -391,7 +392,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, labels = ctx.saved_tensors
-        x, y, g_out = _as_3d(logits, 3), _as_3d(labels, 2), _as_3d(grad, 2)
+        x, y, g_out = _with_dims(logits, 3), _with_dims(labels, 2), _with_dims(grad, 2)
         local = logits.shape[-1]
         grad_logits = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _blocks(x, ctx.chunk_elements):
@@ -410,7 +411,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, vocab_size, group, chunk_elements):
-        x = _as_3d(logits, 3)
+        x = _with_dims(logits, 3)
         start = _shard_start(logits, group)
         entropy = torch.empty(x.shape[:-1], dtype=torch.float32, device=logits.device)
         zmax, lse = torch.empty_like(entropy), torch.empty_like(entropy)
@@ -431,7 +432,7 @@ class _VocabParallelEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (logits,) = ctx.saved_tensors
-        x, g_out = _as_3d(logits, 3), _as_3d(grad, 2)
+        x, g_out = _with_dims(logits, 3), _with_dims(grad, 2)
         grad_logits = torch.empty(x.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _blocks(x, ctx.chunk_elements):
             log_probs = _log_probs_of(x[rows, cols], ctx, rows, cols)

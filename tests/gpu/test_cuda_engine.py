@@ -10,6 +10,8 @@ that really frees GPU memory, and the weight converter's HF export on CUDA.
 import pytest
 import torch
 
+from rlhf_megatron.models.forward import position_ids_from_mask
+
 pytestmark = pytest.mark.gpu
 
 P, R = 12, 8  # prompt and response widths
@@ -64,7 +66,7 @@ def _batch(rows=6, seed=0):
     return {
         "input_ids": ids,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": position_ids_from_mask(mask),
         "responses": ids[:, P:],
         "response_mask": mask[:, P:].float(),
     }
@@ -77,16 +79,19 @@ def _micros(batch, size=3):
     return split_micro_batches(Batch.from_dict(batch), tuple(batch), micro_batch_size=size)
 
 
-def _log_probs(engine, batch):
+def _response_log_probs(engine, logits, micro):
+    """The responses' log-probs ``[b, R]``, as the actor's loss functions compute them."""
     from rlhf_megatron.models.forward import vocab_parallel_log_probs
     from rlhf_megatron.workers.megatron_engine import pad_responses, response_outputs
 
+    out = response_outputs(logits, micro)
+    labels = micro["responses"][:, : out.shape[1]]
+    return pad_responses(vocab_parallel_log_probs(out, labels, engine.arch.vocab_size), micro)
+
+
+def _log_probs(engine, batch):
     def fn(logits, micro):
-        out = response_outputs(logits, micro)
-        lp = pad_responses(
-            vocab_parallel_log_probs(out, micro["responses"][:, : out.shape[1]], engine.arch.vocab_size),
-            micro,
-        )
+        lp = _response_log_probs(engine, logits, micro)
         return logits.new_zeros(()), {"lp": lp, "rows": micro["_rows"]}
 
     collected = engine.run(_micros(batch), fn, forward_only=True)
@@ -96,15 +101,9 @@ def _log_probs(engine, batch):
 
 def _nll(engine, scale=1.0):
     """Mean negative log-likelihood of the responses (an SFT loss), ``scale`` to poison it."""
-    from rlhf_megatron.models.forward import vocab_parallel_log_probs
-    from rlhf_megatron.workers.megatron_engine import pad_responses, response_outputs
 
     def fn(logits, micro):
-        out = response_outputs(logits, micro)
-        lp = pad_responses(
-            vocab_parallel_log_probs(out, micro["responses"][:, : out.shape[1]], engine.arch.vocab_size),
-            micro,
-        )
+        lp = _response_log_probs(engine, logits, micro)
         mask = micro["response_mask"]
         loss = -(lp * mask).sum() / mask.sum() * scale
         return loss * micro["_weight"], {"loss": float(loss)}

@@ -398,35 +398,32 @@ def measure_recompute(args, model_dir: str, mode: str) -> dict:
 
     if cuda:
         out["probe"] = probe_memory(engine, update_micros[:1], forward_micros[:1], policy_loss, log_prob_fn)
+
+    def stats(seconds, peaks, passes):
+        """Median seconds, tokens/s, MFU (``passes`` forward passes' FLOPs) and peak memory of a phase."""
+        s = statistics.median(seconds)
+        return {
+            "seconds": [round(x, 4) for x in seconds],
+            "median_s": round(s, 4),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / s, 1),
+            "mfu": round(passes * flops["forward"] * tokens / s / peak, 4),
+            "mfu_6n": round(passes * flops["forward_6n_rule"] * tokens / s / peak, 4),
+            "peak_allocated_bytes": max(peaks) if peaks else None,
+            "peak_allocated_gib": gib(max(peaks)) if peaks else None,
+        }
+
     seconds, peaks, _ = timed(lambda: engine.run(forward_micros, forward_loss, forward_only=True), args.steps)
-    s = statistics.median(seconds)
-    out["log_prob"] = {
-        "seconds": [round(x, 4) for x in seconds],
-        "median_s": round(s, 4),
-        "tokens": tokens,
-        "tokens_per_s": round(tokens / s, 1),
-        "mfu": round(flops["forward"] * tokens / s / peak, 4),
-        "mfu_6n": round(flops["forward_6n_rule"] * tokens / s / peak, 4),
-        "peak_allocated_bytes": max(peaks) if peaks else None,
-        "peak_allocated_gib": gib(max(peaks)) if peaks else None,
-    }
+    out["log_prob"] = stats(seconds, peaks, passes=1)
     seconds, peaks, results = timed(
         lambda: engine.train_step(update_micros, policy_loss, "stop", "[measure]"), args.steps
     )
-    s = statistics.median(seconds)
-    out["update"] = {
-        "seconds": [round(x, 4) for x in seconds],
-        "median_s": round(s, 4),
-        "tokens": tokens,
-        "micro_batches": len(update_micros),
-        "tokens_per_s": round(tokens / s, 1),
-        "mfu": round(3 * flops["forward"] * tokens / s / peak, 4),
-        "mfu_6n": round(3 * flops["forward_6n_rule"] * tokens / s / peak, 4),
-        "peak_allocated_bytes": max(peaks) if peaks else None,
-        "peak_allocated_gib": gib(max(peaks)) if peaks else None,
-        "grad_norms": [round(r["grad_norm"], 4) for r in results],
-        "update_ok": all(r["update_ok"] for r in results),
-    }
+    out["update"] = stats(seconds, peaks, passes=3)  # forward + backward: 3x a forward pass
+    out["update"].update(
+        micro_batches=len(update_micros),
+        grad_norms=[round(r["grad_norm"], 4) for r in results],
+        update_ok=all(r["update_ok"] for r in results),
+    )
     engine = first = results = None  # free the model before the next one is built
     gc.collect()
     if cuda:
