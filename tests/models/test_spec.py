@@ -189,3 +189,15 @@ def test_errors_name_the_parameter_and_the_reason():
         SpecError, match=r"model.layers.2.self_attn.k_proj.weight has shape \[63, 128\].*\[64, 128\]"
     ):
         hf_to_mcore("decoder.layers.2.self_attention.linear_qkv.weight", arch, DictTensorSource(state))
+
+
+def test_asking_for_transformer_engine_without_it_names_the_key():
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model, transformer_engine_installed
+
+    if transformer_engine_installed():
+        pytest.skip("transformer_engine is installed here")
+    arch, _ = _arch_and_state("llama")
+    with pytest.raises(
+        ValueError, match="transformer_engine is not installed.*megatron.transformer_impl=local"
+    ):
+        build_gpt_model(arch, ParallelConfig(1), use_te=True)
