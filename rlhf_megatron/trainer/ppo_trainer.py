@@ -110,6 +110,29 @@ class PPOTrainer:
         self._restored_queue: list = []
         self.t0 = time.time()
         """Wall-clock origin of the ``timeline/*`` metrics."""
+        self.fused_passes = self._fused_passes()
+        """The log-prob passes a training generation runs on its own rows (see ``_fused_passes``)."""
+
+    def _fused_passes(self) -> tuple[str, ...]:
+        """Colocated rollout: the log-prob columns the actor computes over a training batch in the
+        generation's own call, right after generating it (``generate_sequences(log_probs=...)``),
+        instead of in a call of their own once the driver has the batch. The reference policy
+        never changes; the old policy is the weights the rows were generated with only in the sync
+        schedule (staleness 0, no partial rollout), and routing replay records its routes in a
+        pass over the update's rows, so the old-log-prob pass stays its own call otherwise."""
+        cfg = self.cfg
+        if self.rollout is not None or self.interrupts is not None:
+            return ()
+        names = []
+        if (
+            not cfg.algorithm.rollout_correction.bypass_mode
+            and self.staleness() == 0
+            and cfg.actor_rollout_ref.actor.router_replay.mode == "disabled"
+        ):
+            names.append("old_log_probs")
+        if self.plan.ref:
+            names.append("ref_log_probs")
+        return tuple(names)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -212,21 +235,42 @@ class PPOTrainer:
             group_by = "uid" if cfg.actor_rollout_ref.model.shared_prompt_packing else None
             batch, balance = balance_batch(batch, self.actor.dp_size(), group_by)
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
-        with timer("reward"):
-            batch["token_level_scores"], reward_metrics = self.score(batch, self.reward_fn)
-            metrics.update(reward_metrics)
-        if cfg.algorithm.rollout_correction.bypass_mode:  # pi_old = pi_rollout: no actor pass
+        bypass = cfg.algorithm.rollout_correction.bypass_mode  # pi_old = pi_rollout: no actor pass
+        updates = step > cfg.trainer.critic_warmup
+        prefetch = updates and not self._sync_point(step)
+        # The actor's passes over the batch go out before the driver scores it (a worker runs its
+        # calls in order), so scoring overlaps them. With a reward
+        # model, scoring runs a model too: it goes first, as the passes' memory plan assumes.
+        early = self.reward_model is None
+        if not early:
+            scores = self._timed_score(batch, metrics, timer)
+        for name, key in (("old_log_prob", "old_log_probs"), ("ref", "ref_log_probs")):
+            if f"{key}_span" in batch.meta_info:  # computed in the generation's call
+                begin, end = batch.meta_info[f"{key}_span"]
+                timings[name], spans[f"trainer/{name}"] = end - begin, (begin, end)
+        passes = [
+            (name, time.time(), self.actor.submit(method, batch, dispatch="dp_compute"))
+            for name, method, wanted in (
+                ("old_log_prob", "compute_log_prob", not bypass and "old_log_probs" not in batch.tensor_keys),
+                ("ref", "compute_ref_log_prob", plan.ref and "ref_log_probs" not in batch.tensor_keys),
+            )
+            if wanted
+        ]
+        if early:
+            scores = self._timed_score(batch, metrics, timer)
+        batch["token_level_scores"] = scores
+        if bypass:
             batch["old_log_probs"] = batch["rollout_log_probs"].clone()
-        else:
-            with timer("old_log_prob"):
-                old = self.actor.call("compute_log_prob", batch, dispatch="dp_compute")
-                batch = batch.union(old.select(["old_log_probs"]))
+        free = 0.0  # when the actor's previous pass ended: the workers start a pass no earlier
+        for name, submitted, pending in passes:
+            out = pending.result()
+            begin, free = max(submitted, free), time.time()
+            timings[name], spans[f"trainer/{name}"] = free - begin, (begin, free)
+            batch = batch.union(out)
+        if not bypass:
             metrics.update(compute_rollout_mismatch_metrics(batch))
         # Off-policy correction (algorithm.rollout_correction): rollout -> actor importance weights.
         metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
-        if plan.ref:
-            with timer("ref"):
-                batch = batch.union(self.actor.call("compute_ref_log_prob", batch, dispatch="dp_compute"))
         if plan.critic:
             with timer("values"):
                 batch = batch.union(self.critic.call("compute_values", batch, dispatch="dp_compute"))
@@ -237,17 +281,20 @@ class PPOTrainer:
                 metrics.update(
                     mean_over_ranks(self.critic.call("update_critic", batch, step, dispatch="dp_compute"))
                 )
-        if step > cfg.trainer.critic_warmup:
-            prefetch = not self._sync_point(step)
+        if updates:
+            # Colocated sync schedule: the weight sync (and the next step's generation behind it) wait
+            # on the workers behind the update, not for the driver to read the update's result first.
+            queued = self.rollout is None and self.rollouts.prefetches
             with timer("update_actor"):
                 update = self.actor.submit("update_actor", batch, step, dispatch="dp_compute")
                 if prefetch:  # the next step's prompts, loaded while the actor trains
                     self.rollouts.draw_ahead(step + 1)
+                synced = self.rollouts.submit_after_update(step, prefetch) if queued else None
                 metrics.update(mean_over_ranks(update.result()))
             # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
             # rollout is idle or needs them), so the sync is timed as its own phase.
             with timer("sync_weights"):
-                metrics.update(self.rollouts.after_update(step, prefetch=prefetch))
+                metrics.update(synced() if queued else self.rollouts.after_update(step, prefetch=prefetch))
         seconds = time.perf_counter() - start
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
         for name, (begin, end) in spans.items():
@@ -283,12 +330,15 @@ class PPOTrainer:
         validate: bool = False,
         greedy: bool = False,
         interrupt_epoch: int | None = None,
+        log_probs: tuple[str, ...] = (),
     ) -> PendingCall:
         """Start generating: prompts padded to the rollout DP size (``finish_generate`` drops the padding).
         ``interrupt_epoch`` (partial rollout): the generation stops early once ``interrupt_rollout``
         raises the signal past it."""
         padded, pad = prompts.pad_to_divisor(self.rollout_group.dp_size("rollout"))
         extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
+        if log_probs:  # only the colocated actor takes them (``_fused_passes``)
+            extra["log_probs"] = log_probs
         pending = self.rollout_group.submit(
             "generate_sequences",
             padded,
@@ -369,6 +419,12 @@ class PPOTrainer:
         greedy = self.generate(only_prompts, seed=self.seeds.generation(step), greedy=True)
         scores, _ = self.score(greedy, self.reward_fn)
         return scores.sum(-1).repeat_interleave(n)
+
+    def _timed_score(self, batch: Batch, metrics: dict[str, Any], timer) -> torch.Tensor:
+        with timer("reward"):
+            scores, reward_metrics = self.score(batch, self.reward_fn)
+        metrics.update(reward_metrics)
+        return scores
 
     def score(self, batch: Batch, reward_fn) -> tuple[torch.Tensor, dict[str, float]]:
         """Rule/function rewards, plus reward-model scores when a reward model is configured."""

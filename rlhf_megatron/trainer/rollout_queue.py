@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,9 @@ class RolloutScheduler:
         prompts["uid"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
         gen = _Generation(step, prompts, seed=t.seeds.generation(step))
         epoch = self.epoch if self.partial else None
-        gen.pending = t.submit_generate(prompts, seed=gen.seed, interrupt_epoch=epoch)
+        gen.pending = t.submit_generate(
+            prompts, seed=gen.seed, interrupt_epoch=epoch, log_probs=t.fused_passes
+        )
         self.queue.append(gen)
 
     def _fill(self, current: int) -> None:
@@ -216,17 +218,27 @@ class RolloutScheduler:
         follows the step): the next step's generation is submitted right behind the weights, so the
         rollout starts it while the driver finishes this step. It is the generation the next
         ``take`` would submit (same prompts, seed and weights), only earlier."""
+        return self.submit_after_update(step, prefetch)()
+
+    def submit_after_update(self, step: int, prefetch: bool = False) -> Callable[[], dict[str, float]]:
+        """``after_update`` in two halves: submit now, wait (for the ``sync/*`` metrics) with the returned
+        function. The trainer of a colocated sync schedule calls it as soon as the update is submitted:
+        a worker runs calls in order, so the sync and the next generation wait on the worker behind
+        the update instead of for the driver to read the update's result first."""
         version = actor_version(step, self.trainer.critic_warmup)
         if version == self.rollout_version or len(self.queue) > 1:
-            return {}
-        return self.sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
+            return dict
+        return self._submit_sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
 
     def sync(self, version: int, fill_from: int | None = None) -> dict[str, float]:
         """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order);
         with ``fill_from``, the generations that may then start for step ``fill_from`` on are
         submitted before waiting for the weights to arrive."""
+        return self._submit_sync(version, fill_from)()
+
+    def _submit_sync(self, version: int, fill_from: int | None = None) -> Callable[[], dict[str, float]]:
         if version == self.rollout_version:
-            return {}
+            return dict
         if self.partial and any(gen.batch is None for gen in self.queue):
             self.epoch = self.trainer.interrupt_rollout()  # they return at their next engine step
             self.interrupts += 1
@@ -238,10 +250,15 @@ class RolloutScheduler:
         self.rollout_version = version
         if fill_from is not None:
             self._fill(fill_from)
-        metrics = wait()
-        if self.partial:
+        if not self.partial:
+            return wait
+
+        def wait_and_continue() -> dict[str, float]:
+            metrics = wait()
             self._continue()
-        return metrics
+            return metrics
+
+        return wait_and_continue
 
     def drain(self, version: int) -> dict[str, float]:
         """A sync point: every queued generation finishes, then the rollout gets ``version``.

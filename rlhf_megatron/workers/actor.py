@@ -169,13 +169,24 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.weights_stale = True
 
     def generate_sequences(
-        self, prompts: Batch, validate: bool = False, greedy: bool = False, seed: int | None = None
+        self,
+        prompts: Batch,
+        validate: bool = False,
+        greedy: bool = False,
+        seed: int | None = None,
+        log_probs: tuple[str, ...] = (),
     ) -> Batch:
         """``n`` responses per prompt (``val_kwargs`` when ``validate``, one greedy sample when
         ``greedy``); syncs stale weights first. ``seed`` makes the samples a function of
         (weights, prompts, seed): the driver passes one per step so resumed runs match. The
         batch's ``meta_info`` carries the generation's wall-clock ``gen_start``/``gen_end``
-        (the driver may have queued the call before this rank was free to run it)."""
+        (the driver may have queued the call before this rank was free to run it).
+
+        ``log_probs``: passes to run on the rows right after generating them, in the same call
+        (``old_log_probs``, ``ref_log_probs``), where they need no other rank's rows: the
+        rollout's TP groups are the actor's and there is one pipeline stage (``fuses_passes``).
+        Each comes back as its column, its wall-clock span in ``meta_info[<name>_span]``;
+        otherwise the driver runs the pass as its own call."""
         if not (validate or greedy):
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
         if self.rollout is None:
@@ -193,7 +204,22 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 self.rollout, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
             )
         out.meta_info.update(gen_start=start, gen_end=time.time())
+        if log_probs and self.fuses_passes() and "multi_modal_data" not in out.non_tensor_keys:
+            passes = {"old_log_probs": self.compute_log_prob, "ref_log_probs": self.compute_ref_log_prob}
+            for name in log_probs:
+                begin = time.time()
+                result = passes[name](out)
+                if result is not None:  # None off the output ranks, whose rows the driver drops
+                    out[name] = result[name]
+                    out.meta_info[f"{name}_span"] = (begin, time.time())
         return out
+
+    def fuses_passes(self) -> bool:
+        """Whether the log-prob passes over this rank's generated rows can run where they were
+        generated: each rollout TP group is an actor TP group holding the same rows, on one
+        pipeline stage without context parallelism."""
+        p = self.parallel
+        return self.rollout_tp == p.tp_size and p.pp_size == 1 and p.cp_size == 1
 
     # ------------------------------------------------------------------ log-probs
     def _log_prob_fn(self):

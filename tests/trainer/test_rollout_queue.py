@@ -27,6 +27,7 @@ class _Trainer:
         self.global_step, self.total_steps, self.critic_warmup = 0, total, critic_warmup
         self.events = []
         self.rollout_holds = 0  # the rollout's version in call order (a rollout runs calls in order)
+        self.fused_passes = ()
 
         class Seeds:
             @staticmethod
@@ -35,7 +36,7 @@ class _Trainer:
 
         self.seeds = Seeds()
 
-    def submit_generate(self, prompts, seed, interrupt_epoch=None):
+    def submit_generate(self, prompts, seed, interrupt_epoch=None, log_probs=()):
         self.events.append(("gen", seed, self.rollout_holds))
         return _Done(Batch.from_dict({VERSION_KEY: torch.full((len(prompts),), self.rollout_holds)}))
 
@@ -204,7 +205,7 @@ class _PartialTrainer(_Trainer):
         super().__init__(total)
         self.epoch = 0
 
-    def submit_generate(self, prompts, seed, interrupt_epoch=None):
+    def submit_generate(self, prompts, seed, interrupt_epoch=None, log_probs=()):
         assert interrupt_epoch == self.epoch, "a generation must be submitted under the current epoch"
         self.events.append(("gen", seed, self.rollout_holds))
         return _Running(self, len(prompts), self.rollout_holds, interrupt_epoch)

@@ -2,6 +2,7 @@
 
 - Actor log-probs at TP=2 on 2 and 4 processes equal a single-process
   transformers computation of the same sequences.
+- Log-probs computed in the generation's own call (``log_probs=``) equal a separate pass's.
 - After a weight sync, vLLM's log-probs of its sampled tokens equal the
   actor's Megatron log-probs; after an actor update they differ from the old
   ones and a new sync makes them equal again (no stale weights).
@@ -131,10 +132,15 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
     cfg = _config(tiny, world)
     group, pool = _actor_group(cfg, world, f"actor{world}")
     try:
-        rollout = group.call("generate_sequences", _prompts(), dispatch="dp_compute", layout="rollout")
+        rollout = group.call(
+            "generate_sequences", _prompts(), dispatch="dp_compute", layout="rollout", log_probs=("old_log_probs",)
+        )
         assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
         mask = rollout["response_mask"].float()
+        fused = rollout.pop(["old_log_probs"])["old_log_probs"]
         old = group.call("compute_log_prob", rollout, dispatch="dp_compute")["old_log_probs"]
+        # The pass the generation's call ran on its own rows is the pass of a call of its own.
+        assert torch.equal(fused, old) and "old_log_probs_span" in rollout.meta_info
         hf = _hf_log_probs(tiny, rollout)
         assert ((old - hf).abs() * mask).max() < 1e-4, "Megatron TP=2 log-probs differ from transformers"
         assert ((old - rollout["rollout_log_probs"]).abs() * mask).max() < 1e-4, "vLLM and Megatron disagree"
