@@ -133,7 +133,11 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
     group, pool = _actor_group(cfg, world, f"actor{world}")
     try:
         rollout = group.call(
-            "generate_sequences", _prompts(), dispatch="dp_compute", layout="rollout", log_probs=("old_log_probs",)
+            "generate_sequences",
+            _prompts(),
+            dispatch="dp_compute",
+            layout="rollout",
+            log_probs=("old_log_probs",),
         )
         assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
         mask = rollout["response_mask"].float()
