@@ -312,6 +312,12 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+        p = self.parallel
+        model_parallel = (
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        ) * p.expert_model_parallel_size
+        self.grads_replicated = model_parallel == 1 and not distributed_opt
+        """Every rank holds the whole model and, once DDP has all-reduced them, the same gradients."""
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=distributed_opt,
@@ -528,7 +534,9 @@ class MegatronEngine:
 
         A collective over the whole role: every rank reaches it once per ``train_step``, so
         they agree to skip (or stop) together and no rank steps its shard alone. DDP grad
-        buffers hold every parameter's gradient (fp32, ``grad_reduce_in_fp32``).
+        buffers hold every parameter's gradient (fp32, ``grad_reduce_in_fp32``). Where every
+        rank holds the same all-reduced gradients (``grads_replicated``: data parallelism only,
+        no distributed optimizer) the ranks agree without the collective.
         """
         grads = [buf.grad_data for buf in self._buffers()]
         # A sum is NaN/inf when any element is; only then is the exact (and ~30x slower,
@@ -537,6 +545,8 @@ class MegatronEngine:
             not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()) for g in grads
         )
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if self.grads_replicated:  # each rank's verdict is every rank's: no collective needed
+            return list(range(world)) if local_bad else []
         device = grads[0].device if grads else torch.device("cpu")
         flags = torch.zeros(world, dtype=torch.float32, device=device)
         flags[rank] = float(local_bad)

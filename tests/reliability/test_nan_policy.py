@@ -1,7 +1,8 @@
 """trainer.nan_policy at the engine: a NaN loss on any rank never reaches the weights.
 
 Two gloo ranks at TP=2 run ``MegatronEngine.train_step`` with a loss that is NaN on rank 1
-only; the all-reduced check makes both ranks skip (or both raise) together.
+only; the all-reduced check makes both ranks skip (or both raise) together. At DP=2 (each rank
+the whole model, gradients all-reduced by DDP) each rank's own check reaches the same verdict.
 """
 
 import pytest
@@ -20,7 +21,7 @@ def tiny(tmp_path_factory):
                                   num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
 
 
-def _nan_step(rank, world, model):
+def _nan_step(rank, world, model, tp):
     from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
@@ -32,13 +33,15 @@ def _nan_step(rank, world, model):
         split_micro_batches,
     )
 
-    init_model_parallel(2, 1, seed=1)
+    init_model_parallel(tp, 1, seed=1)
     arch = ModelArch.from_hf_dir(model)
     engine = MegatronEngine(
         arch,
-        ParallelConfig(2),
+        ParallelConfig(tp),
         model,
-        MegatronConfig(params_dtype="float32", use_distributed_optimizer=False),
+        MegatronConfig(
+            params_dtype="float32", tensor_model_parallel_size=tp, use_distributed_optimizer=False
+        ),
         OptimConfig(lr=1e-3),
         total_steps=10,
     )
@@ -69,6 +72,7 @@ def _nan_step(rank, world, model):
     lr_steps_after_skips = engine.scheduler.num_steps - lr_steps
     good = engine.train_step(micros, loss(False), "stop", f"[actor] rank {rank} step 3")
     return {
+        "replicated": engine.grads_replicated,
         "skipped": skipped["nan_skipped"], "update_ok": skipped["update_ok"],
         "unchanged_after_skip": torch.equal(before, after_skip), "unchanged_after_stop": torch.equal(before, after_stop),
         "lr_steps_after_skips": lr_steps_after_skips, "stop_error": stop_error,
@@ -76,13 +80,16 @@ def _nan_step(rank, world, model):
     }  # fmt: skip
 
 
-def test_nan_on_one_rank_skips_or_stops_on_every_rank_and_leaves_weights(tiny):
-    results = run_on_ranks(_nan_step, 2, tiny, timeout_s=300)
+@pytest.mark.parametrize("tp", [2, 1])
+def test_nan_on_one_rank_skips_or_stops_on_every_rank_and_leaves_weights(tiny, tp):
+    results = run_on_ranks(_nan_step, 2, tiny, tp, timeout_s=300)
     for rank, r in enumerate(results):
+        assert r["replicated"] == (tp == 1)
         assert r["skipped"] and not r["update_ok"], r
         assert r["unchanged_after_skip"] and r["unchanged_after_stop"], "weights changed by a NaN step"
         assert r["lr_steps_after_skips"] == 0, "the LR schedule advanced on a skipped step"
         assert r["stop_error"] and f"[actor] rank {rank} step 2" in r["stop_error"], r["stop_error"]
-        # TP's backward all-reduce spreads rank 1's NaN to rank 0's grads; rank 1 is always named.
+        # TP's backward all-reduce (DP's gradient all-reduce) spreads rank 1's NaN to rank 0's
+        # grads; rank 1 is always named.
         assert "1] of this role" in r["stop_error"] and "NaN" in r["stop_error"]
         assert r["good_step_changed"] and r["good_ok"], "a finite step after the skips must train"
