@@ -90,15 +90,14 @@ def _stacks(path: Path) -> list[tuple[list[str], int]]:
 
 
 def _phase(frames: list[str], driver: bool) -> str:
-    for frame in frames:
-        name = frame.split(" (")[0]
-        method = name.rsplit(".", 1)[-1]
-        if driver and name.startswith("PPOTrainer."):
-            inner = [f.split(" (")[0] for f in frames if f.split(" (")[0].startswith("PPOTrainer.")]
-            return inner[-1]
-        if not driver and method in PHASES:
-            return method
-    return "other"
+    """The innermost phase on the stack (a colocated generation runs its batch's log-prob passes,
+    and a stale rollout its weight sync, inside ``generate_sequences``)."""
+    names = [frame.split(" (")[0] for frame in frames]
+    if driver:
+        inner = [name for name in names if name.startswith("PPOTrainer.")]
+        return inner[-1] if inner else "other"
+    methods = [name.rsplit(".", 1)[-1] for name in names]
+    return next((m for m in reversed(methods) if m in PHASES), "other")
 
 
 def _compat_call_lines() -> set[int]:
