@@ -313,10 +313,14 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         p = self.parallel
-        model_parallel = (
-            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-        ) * p.expert_model_parallel_size
-        self.grads_replicated = model_parallel == 1 and not distributed_opt
+        sharding = (
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.context_parallel_size,
+            p.expert_model_parallel_size,
+            p.expert_tensor_parallel_size,
+        )
+        self.grads_replicated = all(size == 1 for size in sharding) and not distributed_opt
         """Every rank holds the whole model and, once DDP has all-reduced them, the same gradients."""
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
