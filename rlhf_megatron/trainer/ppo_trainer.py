@@ -239,23 +239,21 @@ class PPOTrainer:
         updates = step > cfg.trainer.critic_warmup
         prefetch = updates and not self._sync_point(step)
         # The actor's passes over the batch go out before the driver scores it (a worker runs its
-        # calls in order), so scoring overlaps them. With a reward
-        # model, scoring runs a model too: it goes first, as the passes' memory plan assumes.
+        # calls in order), so scoring overlaps them. With a reward model, scoring runs a model
+        # too: it goes first, as the passes' memory plan assumes.
         early = self.reward_model is None
         if not early:
             scores = self._timed_score(batch, metrics, timer)
-        for name, key in (("old_log_prob", "old_log_probs"), ("ref", "ref_log_probs")):
+        passes = []
+        for name, key, method, wanted in (
+            ("old_log_prob", "old_log_probs", "compute_log_prob", not bypass),
+            ("ref", "ref_log_probs", "compute_ref_log_prob", plan.ref),
+        ):
             if f"{key}_span" in batch.meta_info:  # computed in the generation's call
                 begin, end = batch.meta_info[f"{key}_span"]
                 timings[name], spans[f"trainer/{name}"] = end - begin, (begin, end)
-        passes = [
-            (name, time.time(), self.actor.submit(method, batch, dispatch="dp_compute"))
-            for name, method, wanted in (
-                ("old_log_prob", "compute_log_prob", not bypass and "old_log_probs" not in batch.tensor_keys),
-                ("ref", "compute_ref_log_prob", plan.ref and "ref_log_probs" not in batch.tensor_keys),
-            )
-            if wanted
-        ]
+            if wanted and key not in batch.tensor_keys:
+                passes.append((name, time.time(), self.actor.submit(method, batch, dispatch="dp_compute")))
         if early:
             scores = self._timed_score(batch, metrics, timer)
         batch["token_level_scores"] = scores
