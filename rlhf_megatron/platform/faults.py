@@ -13,10 +13,12 @@ given, or end the run (``StopTraining``).
 
 The points, and the context each passes:
 
-- ``actor.generate`` (step, rank): start of a training rollout; ``step`` is this process's
-  ``updates + 1``.
+- ``actor.generate`` (step, rank): a training rollout has sampled, before its call returns;
+  ``step`` is this process's ``updates + 1``.
 - ``actor.update`` (step, rank, batch): start of ``update_actor``.
-- ``actor.sync`` (step, rank): start of a weight sync; ``step`` counts updates so far.
+- ``actor.sync`` (step, rank): a colocated weight sync has loaded vLLM, before its call
+  returns (a disaggregated send: at its start); ``step`` counts updates so far. These two act
+  mid-call because the driver may have queued them behind another call on the same worker.
 - ``critic.update`` (step, rank, batch): start of ``update_critic``.
 - ``rollout.generate`` (step, rank): a disaggregated rollout worker starts a training
   generation; ``step`` counts this process's training generations (1 = the first).

@@ -21,14 +21,18 @@ are the rendezvous). Calls are explicit about how data moves:
 Failures never hang the driver: results are awaited one at a time with a
 deadline; the first exception or dead process raises ``WorkerError`` naming
 the role, the rank, the node and the remote traceback, and the remaining
-ranks (likely stuck in a collective) are killed.
+ranks (likely stuck in a collective) are killed. A death names the calls
+still queued behind the one it surfaced on: a process killed as a queued call
+starts can take the reply of the call before it with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import time
+import weakref
 from typing import Any
 
 from rlhf_megatron.data.batch import Batch
@@ -60,6 +64,8 @@ class PendingCall:
         self.group, self.method, self.refs = group, method, refs
         self.deadline_s = timeout_s
         self._collect = collect
+        self.seq = next(group._seq)  # submission order: every rank runs the group's calls in it
+        group._inflight.add(self)
 
     def done(self) -> bool:
         import ray
@@ -68,7 +74,10 @@ class PendingCall:
         return len(ready) == len(self.refs)
 
     def result(self) -> Any:
-        return self._collect(self.group._wait(self.refs, self.deadline_s, self.method))
+        try:
+            return self._collect(self.group._wait(self.refs, self.deadline_s, self.method, self))
+        finally:
+            self.group._inflight.discard(self)
 
 
 def wait_all(pendings: list[PendingCall]) -> list[Any]:
@@ -102,7 +111,7 @@ def _death_among(pendings) -> WorkerError | None:
         dead = WorkerGroup._dead_peer(list(p.refs), {r: k for k, r in enumerate(p.refs)}, DEATH_GRACE_S)
         if dead is not None:
             rank, err = dead
-            return p.group._death_error(rank, p.method, err)
+            return p.group._death_error(rank, p.method, err, call=p)
     return None
 
 
@@ -159,6 +168,9 @@ class WorkerGroup:
         )
         self._dispatch: dict[str, list[tuple[int, int, bool]]] = {}
         self.killed = False
+        # Submitted calls not yet collected (an abandoned one drops out when it is collected).
+        self._inflight: weakref.WeakSet[PendingCall] = weakref.WeakSet()
+        self._seq = itertools.count()
 
     # ------------------------------------------------------------------ calls
     def call(
@@ -243,8 +255,9 @@ class WorkerGroup:
             return f"{info['hostname']} ({info['ip']}, pid {info['pid']})"
         return "unknown"
 
-    def _wait(self, refs: list, timeout_s: float, what: str) -> list:
-        """Results in rank order; the first failure or the deadline raises ``WorkerError``."""
+    def _wait(self, refs: list, timeout_s: float, what: str, call: PendingCall | None = None) -> list:
+        """Results in rank order; the first failure or the deadline raises ``WorkerError``
+        (``call``: the submitted call these refs belong to, for the calls queued behind it)."""
         import ray
 
         index = {ref: rank for rank, ref in enumerate(refs)}
@@ -269,7 +282,7 @@ class WorkerGroup:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as err:
                     self.kill()
-                    raise self._death_error(rank, what, err) from err
+                    raise self._death_error(rank, what, err, call=call) from err
                 except ray.exceptions.RayTaskError as err:
                     detail = _ANSI.sub("", str(err))
                     # A rank's collective fails ("Connection reset by peer") the moment a peer
@@ -280,14 +293,20 @@ class WorkerGroup:
                         dead_rank, death = dead
                         last_line = detail.strip().splitlines()[-1] if detail.strip() else ""
                         note = f"(rank {rank} then failed too: {last_line})"
-                        raise self._death_error(dead_rank, what, death, note) from death
+                        raise self._death_error(dead_rank, what, death, note, call) from death
                     raise WorkerError(
                         self.role, rank, self._node_name(rank), f"{what} raised:\n{detail}"
                     ) from err
         return [results[r] for r in range(len(refs))]
 
-    def _death_error(self, rank: int, what: str, err: Exception, note: str = "") -> WorkerError:
-        detail = f"process died during {what} ({type(err).__name__}): {err}"
+    def _death_error(
+        self, rank: int, what: str, err: Exception, note: str = "", call: PendingCall | None = None
+    ) -> WorkerError:
+        # Ray sends a call's reply after the call returns; a process killed just as the next
+        # queued call starts can lose it, and the death then surfaces on the earlier call.
+        later = [] if call is None else sorted((p.seq, p.method) for p in self._inflight if p.seq > call.seq)
+        queued = f" (or in a call queued behind it: {', '.join(m for _, m in later)})" if later else ""
+        detail = f"process died during {what}{queued} ({type(err).__name__}): {err}"
         return WorkerError(self.role, rank, self._node_name(rank), f"{detail}\n{note}" if note else detail)
 
     @staticmethod

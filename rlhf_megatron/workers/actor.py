@@ -134,9 +134,11 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's current weights into the rollout engine (collective over the actor).
         Returns the converter's per-phase seconds and peak bucket bytes as ``sync/*``."""
-        fault_point("actor.sync", step=self.updates, rank=self.rank)
         self.rollout.wake_up()
         self.rollout.update_weights(self.syncer.iter_weights())
+        # Mid-call, not at its start: a kill as a queued call starts can lose the reply of the
+        # call before it (Ray sends it after that call returns), and the death would surface there.
+        fault_point("actor.sync", step=self.updates, rank=self.rank)
         self.weights_stale = False
         return {f"sync/{k}": float(v) for k, v in self.syncer.stats.items()}
 
@@ -187,8 +189,6 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         rollout's TP groups are the actor's and there is one pipeline stage (``fuses_passes``).
         Each comes back as its column, its wall-clock span in ``meta_info[<name>_span]``;
         otherwise the driver runs the pass as its own call."""
-        if not (validate or greedy):
-            fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
         if self.rollout is None:
             raise RuntimeError(
                 f"[actor] rank {self.rank}: generate_sequences on the actor, but the rollout runs on its own "
@@ -203,6 +203,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             out = sample(
                 self.rollout, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
             )
+        if not (validate or greedy):  # after sampling (see sync_weights' fault point)
+            fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
         out.meta_info.update(gen_start=start, gen_end=time.time())
         if log_probs and self.fuses_passes() and "multi_modal_data" not in out.non_tensor_keys:
             passes = {"old_log_probs": self.compute_log_prob, "ref_log_probs": self.compute_ref_log_prob}

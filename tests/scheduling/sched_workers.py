@@ -46,5 +46,9 @@ class EchoWorker(Worker):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("Connection reset by peer (the collective lost its partner)")
 
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
     def hang(self):
         time.sleep(3600)

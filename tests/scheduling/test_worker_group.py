@@ -87,6 +87,24 @@ def test_dead_rank_is_named_even_when_a_peer_error_arrives_first(local_ray):
     pool.remove()
 
 
+def test_death_names_the_calls_queued_behind_the_one_it_surfaced_on(local_ray):
+    # A process killed as a queued call starts can lose the previous call's reply, so the death
+    # surfaces on that call: the error names what was queued behind it, in submission order.
+    group, pool = _group(2, 1, "die_queued")
+    assert group.call("nap", 0.0) == [0, 1]  # collected: not in flight any more
+    first = group.submit("die", 1, timeout_s=60)
+    behind = [group.submit("nap", 0.1), group.submit("tag_rows", Batch.from_dict({"x": torch.zeros(2)}))]
+    with pytest.raises(WorkerError) as err:
+        first.result()
+    msg = str(err.value)
+    assert msg.startswith("[actor] rank 1 on node"), msg
+    assert "process died during die (or in a call queued behind it: nap, tag_rows) (ActorDiedError)" in msg, (
+        msg
+    )
+    del behind
+    pool.remove()
+
+
 def test_hang_hits_the_deadline(local_ray):
     group, pool = _group(2, 1, "hang")
     start = time.monotonic()
