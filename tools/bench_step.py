@@ -200,6 +200,9 @@ def trl_child(result: str, steps: int, threads: int, checkpointing: bool) -> Non
         dataloader_num_workers=0,
         disable_dropout=True,
         gradient_checkpointing=checkpointing,
+        # fp32 like the project's run: TRL's default bf16=True autocasts on CPU too, which is
+        # another recipe (and emulated, 10x slower, on a CPU without AVX-512 BF16).
+        bf16=False,
     )
     marks: list[float] = []
 
