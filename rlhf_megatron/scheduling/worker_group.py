@@ -168,7 +168,7 @@ class WorkerGroup:
         )
         self._dispatch: dict[str, list[tuple[int, int, bool]]] = {}
         self.killed = False
-        # Submitted calls not yet collected (an abandoned one drops out when it is collected).
+        # Submitted calls not yet collected (one nobody holds any more drops out when garbage-collected).
         self._inflight: weakref.WeakSet[PendingCall] = weakref.WeakSet()
         self._seq = itertools.count()
 
