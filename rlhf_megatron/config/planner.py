@@ -18,7 +18,9 @@ for every role and every phase of a PPO step, and whether the peak fits
   ``auto`` on CPU), which keeps the fp32 softmax output and its bf16 copy and also holds a
   bf16 buffer of one layer's scores (megatron's global memory buffer) once it has run; the
   local figures were measured on an H100 (``tools/gpu/measure.py``,
-  ``docs/gpu_h100_measure.json``). With sequence parallelism everything divides by TP,
+  ``docs/gpu_h100_measure.json``). Local layers with torch's fused attention
+  (``megatron.attention_backend=sdpa``) keep no scores (only each row's log-sum-exp) and do not
+  repeat K and V; not measured on a GPU yet. With sequence parallelism everything divides by TP,
   otherwise the 4h part does not; CP divides the sequence. Selective recomputation drops
   the softmax term; full recomputation keeps only each layer's input plus the layers being
   recomputed. The first 1F1B stage holds PP micro-batches in flight (x (1 + (PP-1)/(PP VPP))
@@ -278,7 +280,7 @@ def _dispatch_bytes(arch: ModelArch, m: DictConfig, tokens: float) -> float:
 # while a layer's softmax runs it holds 12 bytes a score (bf16 scores, their fp32 copy, the
 # fp32 softmax and its bf16 copy): the peak of a forward-only pass, and of a backward that
 # recomputes the core attention (selective).
-SCORE_BYTES = {"transformer_engine": 2, "local": 6}
+SCORE_BYTES = {"transformer_engine": 2, "local": 6, "sdpa": 0}
 LOCAL_SCORE_BUFFER_BYTES = 2
 LOCAL_SOFTMAX_PEAK_BYTES = 12
 # The loss functions (``models.forward.vocab_parallel_log_probs`` / ``_entropy``) go through the
@@ -288,10 +290,12 @@ LOSS_CHUNK_BYTES = 4 * 4 * 32 * 2**20
 
 def transformer_impl(cfg: DictConfig, m: DictConfig) -> str:
     """The layers a role is built with: ``megatron.transformer_impl``, ``auto`` read as
-    transformer-engine on GPU (the GPU image carries it) and local on CPU."""
-    if m.transformer_impl != "auto":
-        return m.transformer_impl
-    return "local" if cfg.trainer.device == "cpu" else "transformer_engine"
+    transformer-engine on GPU (the GPU image carries it) and local on CPU; local layers with
+    ``megatron.attention_backend=sdpa`` read as ``sdpa``."""
+    impl = m.transformer_impl
+    if impl == "auto":
+        impl = "local" if cfg.trainer.device == "cpu" else "transformer_engine"
+    return "sdpa" if impl == "local" and m.attention_backend == "sdpa" else impl
 
 
 def _scores(arch: ModelArch, m: DictConfig, tokens: float, seq: int) -> float:
@@ -328,10 +332,12 @@ def _activation_per_layer(
     local_tokens = tokens / cp
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
+    if impl in ("local", "sdpa"):
+        # megatron's local SwiGLU is unfused and keeps silu(gate) beside the product, and its
+        # local attention repeats K and V to every query head (GQA) (both measured on an H100)
+        split += arch.ffn_hidden_size / tp if arch.moe is None else 0.0
     if impl == "local":
-        # megatron's local attention repeats K and V to every query head (GQA), and its unfused
-        # SwiGLU keeps silu(gate) beside the product (measured on an H100)
-        split += 2 * (q - kv) / tp + (arch.ffn_hidden_size / tp if arch.moe is None else 0.0)
+        split += 2 * (q - kv) / tp
     per_token = e * (replicated + split)
     scores = SCORE_BYTES[impl] * _scores(arch, m, tokens, seq) if with_scores else 0.0
     return local_tokens * per_token + scores

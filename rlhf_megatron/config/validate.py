@@ -84,6 +84,7 @@ _MEGATRON_CHOICES = {
     "recompute_granularity": (None, "selective", "full"),
     "recompute_method": (None, "uniform", "block"),
     "transformer_impl": ("auto", "transformer_engine", "local"),
+    "attention_backend": ("local", "sdpa"),
 }
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3", "auto")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")

@@ -22,6 +22,7 @@ fills them from an HF checkpoint.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 from dataclasses import dataclass
@@ -31,12 +32,14 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.models.attention import SDPAttention
 from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
-from rlhf_megatron.models.norms import with_sequence_parallel_norms
+from rlhf_megatron.models.norms import swap_module, with_sequence_parallel_norms
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
 from rlhf_megatron.models.vision_language import VisionLanguageModel
 from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
@@ -287,6 +290,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     head_seed: int = 0,
     freeze_vision_tower: bool = False,
+    attention_backend: str = "local",
     **config_overrides,
 ) -> list[GPTModel | VisionLanguageModel]:
     """This rank's model chunks (one per virtual pipeline stage), built for ``arch.head``.
@@ -298,9 +302,19 @@ def build_gpt_model(
     the vision tower's parameters get no gradients (see
     ``vision_language.freeze_vision_tower``). ``config_overrides`` go to
     ``TransformerConfig``, e.g. ``moe_aux_loss_coeff=0.01`` (instead of the HF config's
-    ``router_aux_loss_coef``) or ``moe_enable_routing_replay=True``.
+    ``router_aux_loss_coef``) or ``moe_enable_routing_replay=True``. ``attention_backend``: the
+    local layers' core attention, megatron's unfused ``local`` one or ``sdpa`` (torch's fused
+    ``scaled_dot_product_attention``, ``models.attention``); transformer-engine layers bring
+    their own.
     """
     use_te = use_transformer_engine() if use_te is None else use_te
+    if use_te and attention_backend != "local":
+        raise ValueError(
+            f"megatron.attention_backend={attention_backend} replaces the local layers' attention, but this "
+            "role is built with transformer-engine layers (megatron.transformer_impl=transformer_engine, or "
+            "auto on a GPU with transformer-engine), which use TE's own attention; set the role's "
+            "megatron.transformer_impl=local, or megatron.attention_backend=local"
+        )
     if use_te and not transformer_engine_installed():
         raise ValueError(
             "megatron.transformer_impl=transformer_engine, but transformer_engine is not installed in this "
@@ -325,6 +339,8 @@ def build_gpt_model(
             chunk_spec = moe_block_spec(config, use_te, stage, pp_rank)
         if not use_te and parallel.sequence_parallel:
             chunk_spec = with_sequence_parallel_norms(chunk_spec, config, stage, pp_rank)
+        if attention_backend == "sdpa":
+            chunk_spec = swap_module(copy.deepcopy(chunk_spec), DotProductAttention, SDPAttention)
         model = GPTModelWithPositions(
             config=config,
             transformer_layer_spec=chunk_spec,

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "with_sequence_parallel_norms"]
+__all__ = ["SequenceParallelTorchNorm", "swap_module", "with_sequence_parallel_norms"]
 
 
 class SequenceParallelTorchNorm:
@@ -59,22 +59,23 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _swap(obj, old: type):
+def swap_module(obj, old: type, new: type):
+    """``obj`` (a layer or block spec, in place) with every module class ``old`` replaced by ``new``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if obj is old:
-        return SequenceParallelTorchNorm
+        return new
     if isinstance(obj, ModuleSpec):
         if obj.module is old:
-            obj.module = SequenceParallelTorchNorm
-        obj.submodules = _swap(obj.submodules, old)
+            obj.module = new
+        obj.submodules = swap_module(obj.submodules, old, new)
         return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            setattr(obj, field.name, _swap(getattr(obj, field.name), old))
+            setattr(obj, field.name, swap_module(getattr(obj, field.name), old, new))
         return obj
     if isinstance(obj, list):
-        return [_swap(item, old) for item in obj]
+        return [swap_module(item, old, new) for item in obj]
     return obj
 
 
@@ -96,4 +97,4 @@ def with_sequence_parallel_norms(spec, config, vp_stage: int | None, pp_rank: in
             layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
             layer_norm=WrappedTorchNorm,
         )
-    return _swap(spec, WrappedTorchNorm)
+    return swap_module(spec, WrappedTorchNorm, SequenceParallelTorchNorm)

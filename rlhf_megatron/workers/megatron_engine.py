@@ -283,6 +283,7 @@ class MegatronEngine:
             use_te={"auto": None, "transformer_engine": True, "local": False}[megatron.transformer_impl],
             init_weights=False,
             freeze_vision_tower=freeze_vision_tower,
+            attention_backend=megatron.attention_backend,
             **overrides,
         )
         load_hf_weights(self.chunks, hf_path, arch)

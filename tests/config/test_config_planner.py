@@ -174,6 +174,27 @@ def test_local_attention_terms_measured_on_an_h100():
         make_cfg("actor_rollout_ref.actor.megatron.transformer_impl=te", validate=True)
 
 
+def test_sdpa_attention_keeps_no_scores_and_no_repeated_kv():
+    """Local layers with torch's fused attention: the local MLP's silu(gate) stays, the scores, the
+    score buffer, the softmax peak and the K/V repeated to every query head go."""
+    sdpa = (
+        "actor_rollout_ref.actor.megatron.transformer_impl=local",
+        "actor_rollout_ref.actor.megatron.attention_backend=sdpa",
+    )
+    tokens = 4 * 1024
+    per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512) + 2 * 512  # + silu(gate)
+    actor = _actor(*sdpa)
+    assert actor.activations == pytest.approx(4 * tokens * per_token_layer)
+    assert actor.activations_other == pytest.approx(4 * tokens * per_token_layer)
+    rows = make_cfg(*sdpa, validate=True).actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    assert actor.forward_activations == pytest.approx(rows * 1024 * per_token_layer)
+    # transformer-engine layers bring their own attention: the key changes nothing there
+    te = "actor_rollout_ref.actor.megatron.transformer_impl=transformer_engine"
+    assert _actor(te, sdpa[1]).activations == _actor(te).activations
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.megatron.attention_backend.*flash"):
+        make_cfg("actor_rollout_ref.actor.megatron.attention_backend=flash", validate=True)
+
+
 def test_logits_and_their_gradients_with_chunked_loss_functions():
     from rlhf_megatron.config.planner import LOSS_CHUNK_BYTES
     from rlhf_megatron.models.forward import CHUNK_ELEMENTS

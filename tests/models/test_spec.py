@@ -201,3 +201,11 @@ def test_asking_for_transformer_engine_without_it_names_the_key():
         ValueError, match="transformer_engine is not installed.*megatron.transformer_impl=local"
     ):
         build_gpt_model(arch, ParallelConfig(1), use_te=True)
+
+
+def test_sdpa_attention_with_transformer_engine_layers_names_both_keys():
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+
+    arch, _ = _arch_and_state("llama")
+    with pytest.raises(ValueError, match="attention_backend=sdpa.*megatron.transformer_impl=local"):
+        build_gpt_model(arch, ParallelConfig(1), use_te=True, attention_backend="sdpa")

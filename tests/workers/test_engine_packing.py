@@ -45,10 +45,11 @@ def _rollout():
     }
 
 
-def _run(rank, world, model, pack, sequence_parallel):
+def _run(rank, world, model, pack, sequence_parallel, attention_backend="local"):
     from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
+    from rlhf_megatron.models.attention import SDPAttention
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.forward import vocab_parallel_log_probs
     from rlhf_megatron.platform import init_model_parallel
@@ -66,7 +67,12 @@ def _run(rank, world, model, pack, sequence_parallel):
         arch,
         ParallelConfig(world, sequence_parallel=sp),
         model,
-        MegatronConfig(params_dtype="float32", tensor_model_parallel_size=world, sequence_parallel=sp),
+        MegatronConfig(
+            params_dtype="float32",
+            tensor_model_parallel_size=world,
+            sequence_parallel=sp,
+            attention_backend=attention_backend,
+        ),
         OptimConfig(lr=1e-2),
         total_steps=10,
         pack_prompts=pack,
@@ -99,7 +105,14 @@ def _run(rank, world, model, pack, sequence_parallel):
     # the (clipped) gradients the step applied: compared directly, since Adam's first step divides
     # by their magnitude and so turns rounding in near-zero gradients into visible update noise
     grads = torch.cat([buf.grad_data.clone() for buf in engine._buffers()])
-    return {"log_probs": lp, "grad_norm": result["grad_norm"], "grads": grads, "columns": columns}
+    sdpa_layers = sum(isinstance(m, SDPAttention) for chunk in engine.chunks for m in chunk.modules())
+    return {
+        "log_probs": lp,
+        "grad_norm": result["grad_norm"],
+        "grads": grads,
+        "columns": columns,
+        "sdpa_layers": sdpa_layers,
+    }
 
 
 def _hf_log_probs(model):
@@ -121,7 +134,9 @@ def test_packed_passes_equal_unpacked_ones_and_transformers(tiny):
     (plain,) = run_on_ranks(_run, 1, tiny, False, False, timeout_s=300)
     (packed,) = run_on_ranks(_run, 1, tiny, True, False, timeout_s=300)
     mask = _rollout()["response_mask"].bool()
-    assert packed["columns"] < 0.7 * plain["columns"]  # the point: fewer columns through the model (101 vs 156)
+    assert (
+        packed["columns"] < 0.7 * plain["columns"]
+    )  # the point: fewer columns through the model (101 vs 156)
     torch.testing.assert_close(packed["log_probs"][mask], plain["log_probs"][mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed["log_probs"][mask], _hf_log_probs(tiny)[mask], rtol=1e-5, atol=1e-5)
     assert packed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
@@ -136,3 +151,43 @@ def test_packed_passes_at_tp2_with_sequence_parallelism_equal_tp1(tiny):
             rank_result["log_probs"][mask], plain["log_probs"][mask], rtol=1e-5, atol=1e-5
         )
         assert rank_result["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+
+
+def _sdpa_refuses_attention_dropout(rank, world, model):
+    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.platform import init_model_parallel
+
+    init_model_parallel(world, 1, seed=1)
+    with pytest.raises(
+        ValueError, match="does not support .*attention_dropout.*attention_backend=local"
+    ) as err:
+        build_gpt_model(
+            ModelArch.from_hf_dir(model), ParallelConfig(1), attention_backend="sdpa", attention_dropout=0.1
+        )
+    return str(err.value)
+
+
+def test_sdpa_attention_equals_local_attention_with_gqa_packing_and_tp2_sequence_parallelism(tmp_path):
+    """``megatron.attention_backend=sdpa``: the same log-probs (equal to transformers') and the same
+    gradients as megatron's local attention, with grouped KV heads, shared-prompt segments in the mask
+    and at TP=2 with sequence parallelism (one KV head per rank)."""
+    from rlhf_megatron.models.tiny import make_tiny_hf_model
+
+    gqa = str(make_tiny_hf_model(tmp_path / "gqa", "llama", num_layers=2, hidden_size=128, num_heads=4,
+                                 num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    mask = _rollout()["response_mask"].bool()
+    (local,) = run_on_ranks(_run, 1, gqa, True, False, "local", timeout_s=300)
+    (sdpa,) = run_on_ranks(_run, 1, gqa, True, False, "sdpa", timeout_s=300)
+    assert (local["sdpa_layers"], sdpa["sdpa_layers"]) == (0, 2)
+    torch.testing.assert_close(sdpa["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sdpa["log_probs"][mask], _hf_log_probs(gqa)[mask], rtol=1e-5, atol=1e-5)
+    assert sdpa["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(sdpa["grads"], local["grads"], rtol=1e-4, atol=1e-7)
+    for rank_result in run_on_ranks(_run, 2, gqa, True, True, "sdpa", timeout_s=300):
+        torch.testing.assert_close(
+            rank_result["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5
+        )
+        assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    (message,) = run_on_ranks(_sdpa_refuses_attention_dropout, 1, gqa, timeout_s=300)
+    assert "attention_dropout" in message
