@@ -211,8 +211,9 @@ class MegatronConfig:
     attention_backend: str = "local"
     """The local layers' core attention: local (megatron-core's unfused ``DotProductAttention``)
     or sdpa (torch's fused ``scaled_dot_product_attention``: no score matrix kept for backward;
-    on CPU 2-3x faster at ~1,000-token rows, no gain at a few dozen tokens). Transformer-engine
-    layers use TE's attention, so sdpa needs transformer_impl=local (or auto without TE)."""
+    on CPU, at ~1,100-token rows, log-prob passes ~3x and updates ~1.4x faster, no gain at a few
+    dozen tokens; see the README's *Step time*). Transformer-engine layers use TE's attention, so
+    sdpa needs transformer_impl=local (or auto without TE)."""
 
 
 def _follow_actor_megatron(**overrides: Any) -> MegatronConfig:
