@@ -333,10 +333,10 @@ def _activation_per_layer(
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
     if impl in ("local", "sdpa"):
-        # megatron's local SwiGLU is unfused and keeps silu(gate) beside the product, and its
-        # local attention repeats K and V to every query head (GQA) (both measured on an H100)
+        # megatron's local SwiGLU is unfused and keeps silu(gate) beside the product (measured on an H100)
         split += arch.ffn_hidden_size / tp if arch.moe is None else 0.0
     if impl == "local":
+        # megatron's local attention repeats K and V to every query head (GQA) (measured on an H100)
         split += 2 * (q - kv) / tp
     per_token = e * (replicated + split)
     scores = SCORE_BYTES[impl] * _scores(arch, m, tokens, seq) if with_scores else 0.0
