@@ -134,9 +134,8 @@ def test_packed_passes_equal_unpacked_ones_and_transformers(tiny):
     (plain,) = run_on_ranks(_run, 1, tiny, False, False, timeout_s=300)
     (packed,) = run_on_ranks(_run, 1, tiny, True, False, timeout_s=300)
     mask = _rollout()["response_mask"].bool()
-    assert (
-        packed["columns"] < 0.7 * plain["columns"]
-    )  # the point: fewer columns through the model (101 vs 156)
+    # the point: fewer columns through the model (101 vs 156)
+    assert packed["columns"] < 0.7 * plain["columns"]
     torch.testing.assert_close(packed["log_probs"][mask], plain["log_probs"][mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed["log_probs"][mask], _hf_log_probs(tiny)[mask], rtol=1e-5, atol=1e-5)
     assert packed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
