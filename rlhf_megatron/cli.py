@@ -118,7 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         print(f"rlhf-megatron: unknown subcommand {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return command.load()(rest)
+    status = command.load()(rest)
+    if argv is None and name == "train":  # the process is this command's: leave as `python -m` does
+        from rlhf_megatron.train import exit_process
+
+        exit_process(status)
+    return status
 
 
 if __name__ == "__main__":

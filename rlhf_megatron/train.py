@@ -12,15 +12,18 @@ Boundaries: no training logic; the trainer package is imported only when trainin
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config import ConfigError, load_config, save_resolved_config
 
-__all__ = ["TrainerUnavailableError", "build_parser", "main", "start_training"]
+__all__ = ["TrainerUnavailableError", "build_parser", "exit_process", "main", "start_training"]
 
 
 class TrainerUnavailableError(RuntimeError):
@@ -98,5 +101,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_process(status: int) -> NoReturn:
+    """End the ``rlhf-megatron train`` process: flush, then leave without the interpreter's teardown.
+
+    After a run, freeing the torch, vLLM and megatron-core modules and their objects costs ~1.6 s
+    of CPU and does nothing the run needs: by then the trainer has closed its loggers, reward
+    pools and worker groups and left Ray. Only for a process that ``main`` ran in; a run that
+    raised never gets here (Python prints the traceback and exits as usual)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1,12 +1,54 @@
-"""Shared pytest setup: the `gpu` marker skips without CUDA; quiet, single-threaded torch."""
+"""Shared pytest setup: the `gpu` marker skips without CUDA; quiet, single-threaded torch; artefacts
+built once per session and shared by every pytest-xdist worker; the `exclusive` marker.
 
+How to add an end-to-end test without adding a training run
+-----------------------------------------------------------
+A run through the real CLI costs 25-60 s here, most of it start-up (Ray, the worker processes,
+vLLM). Before adding one, look for a run that already has what the test reads:
+
+- ``reference_run`` (tests/trainer_helpers.py): the quickstart GRPO config, 3 steps, a
+  checkpoint after every step, on the shared tiny model and arith data. The uninterrupted run the
+  resume and fault tests compare against, and the plain GRPO run the trainer tests check.
+- ``tiny_run_inputs``: the tiny Llama and the arith parquet every trainer run uses.
+
+Such artefacts are built by ``shared_artifact`` once per ``pytest`` session, whichever xdist
+worker asks first (the others wait on a file lock), and must be treated as read-only: a test that
+changes a run directory copies it first (``shutil.copytree``). Prefer adding assertions to a test
+that already trains the configuration you need; if the new test does need its own run, keep it to
+the fewest steps that show the behaviour, and put checks that need no processes in a unit test.
+
+Runs started with ``trainer_helpers.run_train`` join one Ray cluster per xdist worker (started on
+first use) instead of starting their own, as a launcher's driver joins a cluster through
+``RAY_ADDRESS``; pass ``own_ray=True`` for a run that must start Ray itself as a user's
+``rlhf-megatron train`` does.
+
+Parallel workers
+----------------
+``scripts/test.sh`` runs the suite on pytest-xdist workers. Each worker gets its own Ray temp
+directory (``RAY_TMPDIR``), and tests that start process groups pick free ports. A test that
+measures time, memory or machine-wide state (``/dev/shm``) while other tests would disturb it
+carries ``@pytest.mark.exclusive``: it waits for the tests running on other workers to finish
+and none start beside it (a shared/exclusive file lock; no effect without xdist).
+"""
+
+from __future__ import annotations
+
+import fcntl
 import os
 
 import pytest
+from shared_artifacts import WORKER, session_dir
+from trainer_helpers import reference_run, tiny_run_inputs  # noqa: F401  (session fixtures)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+if WORKER:
+    # Ray records the last cluster it started under its temp dir (`ray_current_cluster`); a
+    # directory per worker keeps one worker's clusters out of another's `ray.init()`.
+    os.environ["RAY_TMPDIR"] = f"/tmp/ray-{os.getpid()}-{WORKER}"
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,3 +60,56 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request, tmp_path_factory):
+    """Shared lock for every test, exclusive for tests marked ``exclusive`` (xdist only).
+
+    A turnstile in front keeps an exclusive test from waiting forever behind a stream of shared
+    ones: whoever holds the turnstile is next, and an exclusive test holds it until the tests
+    running beside it have finished."""
+    if not WORKER:
+        yield
+        return
+    root = session_dir(tmp_path_factory)
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(root / "machine.lock", "a") as machine, open(root / "turnstile.lock", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+_KIND_SECONDS: dict[str, list[float]] = {}
+_SEEN: dict[str, str] = {}
+
+
+def _kind(keywords) -> str:
+    if "e2e" in keywords:
+        return "e2e"
+    return "integration" if "slow" in keywords else "unit"
+
+
+def pytest_runtest_logreport(report):
+    """Sum each test's setup + call + teardown time by kind (reports of every xdist worker)."""
+    kind = _SEEN.setdefault(report.nodeid, _kind(report.keywords))
+    totals = _KIND_SECONDS.setdefault(kind, [0.0, 0])
+    totals[0] += report.duration
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        totals[1] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the suite's time splits: unit (no `slow` marker), integration (`slow`: several processes,
+    Ray, vLLM, Slurm) and end-to-end runs of the CLI (`e2e`). Under xdist the sums add up the
+    workers' time, so together they exceed the wall time."""
+    if not _KIND_SECONDS:
+        return
+    parts = [f"{kind} {sec:.0f} s ({n} tests)" for kind, (sec, n) in sorted(_KIND_SECONDS.items())]
+    terminalreporter.write_sep("-", "time by kind (summed over workers): " + ", ".join(parts))

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,12 +86,14 @@ class PPOTrainer:
         tracker,
         checkpoints: CheckpointManager,
         n_params: int,
+        resume_from: Path | None = None,
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
         leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
         the actor's processes generate); ``interrupts`` its ``InterruptSignal`` when
         ``trainer.partial_rollout`` is on; ``n_params`` is the actor's parameters per token (active,
-        for MoE), for MFU."""
+        for MoE), for MFU; ``resume_from`` the verified checkpoint to resume from (``run_training``
+        resolves and verifies it before any worker starts)."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
@@ -102,6 +105,7 @@ class PPOTrainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
         self.n_params = n_params
+        self.resume_from = resume_from
         ctrl = run.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
         self.global_step = 0
@@ -535,12 +539,9 @@ class PPOTrainer:
             raise
 
     def resume(self) -> None:
-        trainer = self.cfg.trainer
-        path = self.checkpoints.resolve(trainer.resume_mode, trainer.resume_from_path)
+        path = self.resume_from
         if path is None:
             return
-        # Refuse a corrupt/truncated checkpoint before any worker loads a byte of it.
-        self.checkpoints.verify(path, trainer.verify_checkpoint)
         state = self.checkpoints.read_state(path)
         self.actor.call("load_checkpoint", str(path))
         if self.plan.critic:

@@ -47,7 +47,8 @@ INLINE_OBJECT_BYTES = 1 << 20
 
 
 def _init_ray(run: RunConfig) -> bool:
-    """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray. Returns True if we started it."""
+    """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray. Returns whether this run
+    connected to Ray (False when the calling process already had)."""
     import ray
 
     if ray.is_initialized():
@@ -58,7 +59,7 @@ def _init_ray(run: RunConfig) -> bool:
     env = {**WORKER_ENV, **fault_env(), "PYTHONPATH": python_path}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
-        return False
+        return True
     world = run.trainer.nnodes * run.trainer.n_gpus_per_node
     if not run.actor_rollout_ref.hybrid_engine:
         world += run.actor_rollout_ref.rollout.nnodes * run.actor_rollout_ref.rollout.n_gpus_per_node
@@ -205,9 +206,15 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     train_loader, val_loader = _loaders(run, tokenizer)
     total = run.trainer.total_training_steps or len(train_loader) * run.trainer.total_epochs
     run_dir = Path(run.trainer.default_local_dir)
+    checkpoints = CheckpointManager(run_dir, run.trainer.max_actor_ckpt_to_keep)
+    # The checkpoint to resume from, verified against its manifest before any process starts: a
+    # corrupt or truncated file is refused in seconds, not after the workers have built their models.
+    resume_from = checkpoints.resolve(run.trainer.resume_mode, run.trainer.resume_from_path)
+    if resume_from is not None:
+        checkpoints.verify(resume_from, run.trainer.verify_checkpoint)
     reward_fn, val_reward_fn = _reward_fns(run, tokenizer)
     context = RunContext.from_config(cfg, total)
-    started_ray = _init_ray(run)
+    owns_ray = _init_ray(run)
     tracker = Tracker(
         run.trainer.logger,
         run_dir,
@@ -239,7 +246,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
             tokenizer=tokenizer,
             tracker=tracker,
             n_params=count_parameters(arch).active,  # per-token compute (MoE: the routed experts only)
-            checkpoints=CheckpointManager(run_dir, run.trainer.max_actor_ckpt_to_keep),
+            checkpoints=checkpoints,
+            resume_from=resume_from,
         )
         try:
             history = trainer.fit()
@@ -250,6 +258,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
         return history
     finally:
         tracker.close()
+        for fn in (reward_fn, val_reward_fn):
+            fn.close()
         for group in (groups or {}).values():
             try:
                 group.shutdown()
@@ -257,7 +267,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
                 logger.warning("shutting down %s: %s", group.role, e)
         for pool in pools:
             pool.remove()
-        if started_ray:
+        if owns_ray:  # a Ray this run started stops; one it joined (RAY_ADDRESS) only loses this driver
             ray.shutdown()
 
 

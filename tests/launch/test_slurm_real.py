@@ -27,7 +27,7 @@ import pytest
 from .procs import assert_gone, processes_mentioning
 from .slurm_cluster import start_cluster, unavailable_reason
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 150

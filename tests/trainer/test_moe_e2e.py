@@ -9,7 +9,7 @@ import sys
 import pytest
 from trainer_helpers import ROOT, run_train, train_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from trainer_helpers import ROOT, run_train
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 # Whole words of the countdown prompt become single tokens of the tiny tokenizer, so the
 # prompt fits the seed's max_prompt_length=256 (the character-level default would not).
@@ -44,7 +44,7 @@ def test_tinyzero_seed_command_runs_one_step(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rlhf_megatron.train", "--dry-run", *command], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, records = run_train(None, overrides, timeout=1200)
+    proc, records = run_train(None, overrides, timeout=1200, own_ray=True)  # as its users run it
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in records] == [1]
     assert records[0]["response_length/mean"] > 0 and "critic/vf_loss" in records[0]
