@@ -41,6 +41,9 @@ EXTRAS = {
     "dev": [
         "pytest>=8",
         "pytest-timeout>=2.3",
+        # scripts/test.sh runs the suite on two workers; shared fixtures wait on file locks.
+        "pytest-xdist>=3.6",
+        "filelock>=3.12",
         "ruff>=0.8",
         "kubernetes-validate>=1.31",
         "matplotlib>=3.8",

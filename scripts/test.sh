@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv (idempotent) and runs the whole test suite plus the linter.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+# The suite runs on RLHF_TEST_WORKERS pytest-xdist workers (default 2, this machine's cores; 0 runs
+# it in this process) and ends with the 25 slowest tests and setups and the time by kind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -9,7 +11,9 @@ bash scripts/install_slurm.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check rlhf_megatron tests tools launchers scripts
 set +e
-.venv/bin/python -m pytest "$@"
+WORKERS=${RLHF_TEST_WORKERS:-2}
+if [ "$WORKERS" -gt 0 ]; then PARALLEL=(-n "$WORKERS" --dist worksteal); else PARALLEL=(-p no:xdist); fi
+.venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 "$@"
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a failure here, not a pass.
