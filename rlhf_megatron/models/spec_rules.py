@@ -3,7 +3,11 @@
 Data only; ``spec.py`` is the engine that interprets it. A family is a table of
 rules (names, layouts, TP dims, shapes, when a parameter exists) plus the
 alternative HF name prefixes its checkpoints may use; adding a family means
-adding a table here.
+adding a table here. Tables are assembled per block, like megatron-core's
+``ModuleSpec``: one small builder per module (``_embedding_rules``,
+``_attention_rules``, ``_mlp_rules``, ``_expert_rules``, ``_output_rules``,
+``_vision_block_rules``, ``_merger_rules``, ...), each rule spelled with keyword
+arguments (``_copy`` for the common ``Layout.COPY`` case).
 
 - Text decoders (Llama, Mistral, Qwen2, Qwen3) share ``decoder_rules()``: HF's
   Llama naming, switches on ``ModelArch`` for biases, q/k norms and heads.
@@ -16,11 +20,11 @@ adding a table here.
   (TEGroupedMLP); ``{expert}`` is the *global* expert index, ``stages.py`` maps
   a rank's local experts onto it. Experts are split by expert tensor parallelism
   (``ParamRule.expert``), not by the attention's TP.
-- Qwen2-VL / Qwen2.5-VL (``vision_language_rules()``) are the same decoder under
-  the wrapper's ``language_model.`` prefix (HF names unchanged: the hub layout
-  ``model.layers.*``), plus the vision tower under ``vision_model.`` (HF
-  ``visual.*``): patch embedding, ``depth`` blocks (``{block}``, all on the first
-  pipeline stage) and the patch merger. transformers-5 checkpoints written with
+- Qwen2-VL / Qwen2.5-VL (``vision_rules() + decoder_rules("language_model.")``)
+  are the same decoder under the wrapper's ``language_model.`` prefix (HF names
+  unchanged: the hub layout ``model.layers.*``), plus the vision tower under
+  ``vision_model.`` (HF ``visual.*``): patch embedding, ``depth`` blocks
+  (``{block}``, all on the first pipeline stage) and the patch merger. transformers-5 checkpoints written with
   other prefixes (``model.visual.``, ``model.language_model.``) are read through
   ``ArchSpec.hf_aliases``.
 
@@ -103,6 +107,32 @@ class ArchSpec:
     """(prefix in ``rules``, alternative prefix): where an HF name may be found instead."""
 
 
+# -- building rules ------------------------------------------------------------------
+
+
+def _copy(
+    mcore: str | tuple[str, ...], hf: str, shape: ShapeFn, tp_dim: int | None = None, **kw
+) -> ParamRule:
+    """A ``Layout.COPY`` rule: one HF tensor, same layout; replicated unless ``tp_dim`` is given."""
+    mcore = (mcore,) if isinstance(mcore, str) else mcore
+    return ParamRule(mcore=mcore, hf=(hf,), layout=Layout.COPY, tp_dim=tp_dim, shape=shape, **kw)
+
+
+def _hidden(a: ModelArch, tp: int) -> tuple[int, ...]:
+    """A norm over the hidden size (replicated)."""
+    return (a.hidden_size,)
+
+
+def _head_width(a: ModelArch, tp: int) -> tuple[int, ...]:
+    """A per-head q/k norm (replicated)."""
+    return (a.head_dim,)
+
+
+def _vocab_rows(a: ModelArch, tp: int) -> tuple[int, ...]:
+    """The embedding and the LM head: (vocabulary padded for TP size ``tp``, hidden size)."""
+    return (a.padded_vocab_size(tp), a.hidden_size)
+
+
 # -- text decoders -----------------------------------------------------------------
 
 
@@ -114,12 +144,40 @@ def _vocab(a: ModelArch) -> int:
     return a.vocab_size
 
 
+def _qkv_bias(a: ModelArch) -> bool:
+    return a.qkv_bias
+
+
+def _qk_norm(a: ModelArch) -> bool:
+    return a.qk_norm
+
+
 def _dense_layer(a: ModelArch, layer: int) -> bool:
     return not a.is_moe_layer(layer)
 
 
 def _moe_layer(a: ModelArch, layer: int) -> bool:
     return a.is_moe_layer(layer)
+
+
+def _shared_expert(a: ModelArch) -> bool:
+    return a.moe.shared_expert_ffn_hidden_size is not None
+
+
+def _untied_lm_head(a: ModelArch) -> bool:
+    return a.head == "lm" and not a.tie_word_embeddings
+
+
+def _tied_lm_head(a: ModelArch) -> bool:
+    return a.head == "lm" and a.tie_word_embeddings
+
+
+def _scalar_head(a: ModelArch) -> bool:
+    return a.head != "lm"
+
+
+def _scalar_head_bias(a: ModelArch) -> bool:
+    return a.head != "lm" and a.head_bias
 
 
 @dataclass(frozen=True)
@@ -138,38 +196,205 @@ QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_MOE = MoENames("block_sparse_moe", "w1", "w3", "w2")
 
 
+def _embedding_rules(e: str) -> tuple[ParamRule, ...]:
+    """The word embedding, split over TP by vocabulary rows (padded; ``hf_size`` is HF's vocabulary)."""
+    return (
+        _copy(
+            e + "embedding.word_embeddings.weight",
+            "model.embed_tokens.weight",
+            tp_dim=0,
+            shape=_vocab_rows,
+            hf_size=_vocab,
+        ),
+    )
+
+
+def _attention_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """A layer's input norm (the transformer-engine spec fuses it into linear_qkv), q/k/v into
+    megatron's column-parallel linear_qkv (biases: Qwen2), per-head q/k norms (Qwen3) and the
+    row-parallel output projection."""
+    S, A = L + "self_attention.", H + "self_attn."
+    return (
+        _copy(
+            (L + "input_layernorm.weight", S + "linear_qkv.layer_norm_weight"),
+            H + "input_layernorm.weight",
+            shape=_hidden,
+        ),
+        ParamRule(
+            mcore=(S + "linear_qkv.weight",),
+            hf=tuple(A + f"{p}_proj.weight" for p in "qkv"),
+            layout=Layout.QKV,
+            tp_dim=0,
+            shape=lambda a, tp: (_qkv_rows(a), a.hidden_size),
+        ),
+        ParamRule(
+            mcore=(S + "linear_qkv.bias",),
+            hf=tuple(A + f"{p}_proj.bias" for p in "qkv"),
+            layout=Layout.QKV,
+            tp_dim=0,
+            shape=lambda a, tp: (_qkv_rows(a),),
+            when=_qkv_bias,
+        ),
+        _copy(S + "q_layernorm.weight", A + "q_norm.weight", shape=_head_width, when=_qk_norm),
+        _copy(S + "k_layernorm.weight", A + "k_norm.weight", shape=_head_width, when=_qk_norm),
+        _copy(
+            S + "linear_proj.weight",
+            A + "o_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.num_attention_heads * a.head_dim),
+        ),
+    )
+
+
+def _mlp_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """A dense layer's norm (fused into linear_fc1 by the transformer-engine spec) and SwiGLU MLP:
+    column-parallel ``[gate; up]``, row-parallel down. Every layer of a dense family; the layers
+    outside ``ModelArch.is_moe_layer`` of a mixture-of-experts one."""
+    return (
+        _copy(
+            (L + "pre_mlp_layernorm.weight", L + "mlp.linear_fc1.layer_norm_weight"),
+            H + "post_attention_layernorm.weight",
+            shape=_hidden,
+            on_layer=_dense_layer,
+        ),
+        ParamRule(
+            mcore=(L + "mlp.linear_fc1.weight",),
+            hf=(H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * a.ffn_hidden_size, a.hidden_size),
+            on_layer=_dense_layer,
+        ),
+        _copy(
+            L + "mlp.linear_fc2.weight",
+            H + "mlp.down_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.ffn_hidden_size),
+            on_layer=_dense_layer,
+        ),
+    )
+
+
+def _expert_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
+    """A sparse layer's routed experts, each a SwiGLU MLP split by expert tensor parallelism.
+
+    Megatron names: the local spec's SequentialMLP first, then the transformer-engine
+    spec's TEGroupedMLP; ``{expert}`` is the global expert index in both."""
+    M, X = L + "mlp.experts.", H + f"{names.block}.experts.{{expert}}."
+    return (
+        ParamRule(
+            mcore=(M + "local_experts.{expert}.linear_fc1.weight", M + "linear_fc1.weight{expert}"),
+            hf=(X + f"{names.gate}.weight", X + f"{names.up}.weight"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * a.moe.ffn_hidden_size, a.hidden_size),
+            on_layer=_moe_layer,
+            expert=True,
+        ),
+        _copy(
+            (M + "local_experts.{expert}.linear_fc2.weight", M + "linear_fc2.weight{expert}"),
+            X + f"{names.down}.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.moe.ffn_hidden_size),
+            on_layer=_moe_layer,
+            expert=True,
+        ),
+    )
+
+
+def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP on every token of a sparse layer, split by the
+    attention's TP, its output scaled by ``sigmoid(gate_weight @ x)``."""
+    S, X = L + "mlp.shared_experts.", H + "mlp.shared_expert."
+    return (
+        ParamRule(
+            mcore=(S + "linear_fc1.weight",),
+            hf=(X + "gate_proj.weight", X + "up_proj.weight"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * a.moe.shared_expert_ffn_hidden_size, a.hidden_size),
+            when=_shared_expert,
+            on_layer=_moe_layer,
+        ),
+        _copy(
+            S + "linear_fc2.weight",
+            X + "down_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.moe.shared_expert_ffn_hidden_size),
+            when=_shared_expert,
+            on_layer=_moe_layer,
+        ),
+        _copy(
+            S + "gate_weight",
+            H + "mlp.shared_expert_gate.weight",
+            shape=lambda a, tp: (1, a.hidden_size),
+            when=_shared_expert,
+            on_layer=_moe_layer,
+        ),
+    )
+
+
 def _moe_layer_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
-    """A sparse layer's router, routed experts and (Qwen2-MoE) gated shared expert."""
-    X = H + f"{names.block}.experts.{{expert}}."
-
-    def rule(mcore, hf, layout, tp_dim, shape, **kw) -> ParamRule:
-        return ParamRule(mcore, hf, layout, tp_dim, shape, on_layer=_moe_layer, **kw)
-
-    def shared(a: ModelArch) -> bool:
-        return a.moe.shared_expert_ffn_hidden_size is not None
-
+    """A sparse layer's norm, router, routed experts and (Qwen2-MoE) gated shared expert."""
     return (
         # The norm before the experts is a module of its own with either spec; the local spec's
         # checkpoint spells it like the dense layer's fused norm. Names: local module, local
         # checkpoint key, transformer-engine module (last, as ``fused_norms`` expects).
-        rule((L + "pre_mlp_layernorm.weight", L + "mlp.linear_fc1.layer_norm_weight", L + "pre_mlp_layernorm.weight"),
-             (H + "post_attention_layernorm.weight",), Layout.COPY, None, lambda a, tp: (a.hidden_size,)),
-        rule((L + "mlp.router.weight",), (H + f"{names.block}.gate.weight",), Layout.COPY, None,
-             lambda a, tp: (a.moe.num_experts, a.hidden_size)),
-        rule((L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", L + "mlp.experts.linear_fc1.weight{expert}"),
-             (X + f"{names.gate}.weight", X + f"{names.up}.weight"), Layout.GATE_UP, 0,
-             lambda a, tp: (2 * a.moe.ffn_hidden_size, a.hidden_size), expert=True),
-        rule((L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", L + "mlp.experts.linear_fc2.weight{expert}"),
-             (X + f"{names.down}.weight",), Layout.COPY, 1,
-             lambda a, tp: (a.hidden_size, a.moe.ffn_hidden_size), expert=True),
-        rule((L + "mlp.shared_experts.linear_fc1.weight",),
-             (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"), Layout.GATE_UP, 0,
-             lambda a, tp: (2 * a.moe.shared_expert_ffn_hidden_size, a.hidden_size), when=shared),
-        rule((L + "mlp.shared_experts.linear_fc2.weight",), (H + "mlp.shared_expert.down_proj.weight",), Layout.COPY,
-             1, lambda a, tp: (a.hidden_size, a.moe.shared_expert_ffn_hidden_size), when=shared),
-        rule((L + "mlp.shared_experts.gate_weight",), (H + "mlp.shared_expert_gate.weight",), Layout.COPY, None,
-             lambda a, tp: (1, a.hidden_size), when=shared),
-    )  # fmt: skip
+        _copy(
+            (
+                L + "pre_mlp_layernorm.weight",
+                L + "mlp.linear_fc1.layer_norm_weight",
+                L + "pre_mlp_layernorm.weight",
+            ),
+            H + "post_attention_layernorm.weight",
+            shape=_hidden,
+            on_layer=_moe_layer,
+        ),
+        _copy(
+            L + "mlp.router.weight",
+            H + f"{names.block}.gate.weight",
+            shape=lambda a, tp: (a.moe.num_experts, a.hidden_size),
+            on_layer=_moe_layer,
+        ),
+        *_expert_rules(L, H, names),
+        *_shared_expert_rules(L, H),
+    )
+
+
+def _output_rules(e: str) -> tuple[ParamRule, ...]:
+    """The final norm and the head on top of it: the LM head, or a critic's / reward model's score."""
+    return (
+        _copy(e + "decoder.final_layernorm.weight", "model.norm.weight", shape=_hidden),
+        _copy(
+            e + "output_layer.weight",
+            "lm_head.weight",
+            tp_dim=0,
+            shape=_vocab_rows,
+            when=_untied_lm_head,
+            hf_size=_vocab,
+        ),
+        # Tied embeddings: the last pipeline stage keeps its own copy of the
+        # embedding as output layer (megatron syncs the two); it is loaded from the
+        # embedding and not exported, as HF stores the tensor once.
+        _copy(
+            e + "output_layer.weight",
+            "model.embed_tokens.weight",
+            tp_dim=0,
+            shape=_vocab_rows,
+            when=_tied_lm_head,
+            exported=False,
+            hf_size=_vocab,
+        ),
+        # Critic / reward model: a one-output head, replicated on every TP rank
+        # (see heads.py), stored like HF's *ForTokenClassification / *ForSequenceClassification.
+        _copy(
+            e + "output_layer.weight",
+            "score.weight",
+            shape=lambda a, tp: (1, a.hidden_size),
+            when=_scalar_head,
+        ),
+        _copy(e + "output_layer.bias", "score.bias", shape=lambda a, tp: (1,), when=_scalar_head_bias),
+    )
 
 
 def decoder_rules(prefix: str = "", moe: MoENames | None = None) -> tuple[ParamRule, ...]:
@@ -178,131 +403,11 @@ def decoder_rules(prefix: str = "", moe: MoENames | None = None) -> tuple[ParamR
     of a mixture-of-experts family (its dense layers keep the plain MLP)."""
     e, L, H = prefix, prefix + "decoder.layers.{layer}.", "model.layers.{layer}."
     return (
-        ParamRule(
-            (e + "embedding.word_embeddings.weight",),
-            ("model.embed_tokens.weight",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-            hf_size=_vocab,
-        ),
-        ParamRule(
-            (L + "input_layernorm.weight", L + "self_attention.linear_qkv.layer_norm_weight"),
-            (H + "input_layernorm.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.hidden_size,),
-        ),
-        ParamRule(
-            (L + "self_attention.linear_qkv.weight",),
-            tuple(H + f"self_attn.{p}_proj.weight" for p in "qkv"),
-            Layout.QKV,
-            0,
-            lambda a, tp: (_qkv_rows(a), a.hidden_size),
-        ),
-        ParamRule(
-            (L + "self_attention.linear_qkv.bias",),
-            tuple(H + f"self_attn.{p}_proj.bias" for p in "qkv"),
-            Layout.QKV,
-            0,
-            lambda a, tp: (_qkv_rows(a),),
-            when=lambda a: a.qkv_bias,
-        ),
-        ParamRule(
-            (L + "self_attention.q_layernorm.weight",),
-            (H + "self_attn.q_norm.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.head_dim,),
-            when=lambda a: a.qk_norm,
-        ),
-        ParamRule(
-            (L + "self_attention.k_layernorm.weight",),
-            (H + "self_attn.k_norm.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.head_dim,),
-            when=lambda a: a.qk_norm,
-        ),
-        ParamRule(
-            (L + "self_attention.linear_proj.weight",),
-            (H + "self_attn.o_proj.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (a.hidden_size, a.num_attention_heads * a.head_dim),
-        ),
-        ParamRule(
-            (L + "pre_mlp_layernorm.weight", L + "mlp.linear_fc1.layer_norm_weight"),
-            (H + "post_attention_layernorm.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.hidden_size,),
-            on_layer=_dense_layer,
-        ),
-        ParamRule(
-            (L + "mlp.linear_fc1.weight",),
-            (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
-            Layout.GATE_UP,
-            0,
-            lambda a, tp: (2 * a.ffn_hidden_size, a.hidden_size),
-            on_layer=_dense_layer,
-        ),
-        ParamRule(
-            (L + "mlp.linear_fc2.weight",),
-            (H + "mlp.down_proj.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (a.hidden_size, a.ffn_hidden_size),
-            on_layer=_dense_layer,
-        ),
+        *_embedding_rules(e),
+        *_attention_rules(L, H),
+        *_mlp_rules(L, H),
         *(_moe_layer_rules(L, H, moe) if moe is not None else ()),
-        ParamRule(
-            (e + "decoder.final_layernorm.weight",),
-            ("model.norm.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.hidden_size,),
-        ),
-        ParamRule(
-            (e + "output_layer.weight",),
-            ("lm_head.weight",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-            when=lambda a: a.head == "lm" and not a.tie_word_embeddings,
-            hf_size=_vocab,
-        ),
-        # Tied embeddings: the last pipeline stage keeps its own copy of the
-        # embedding as output layer (megatron syncs the two); it is loaded from the
-        # embedding and not exported, as HF stores the tensor once.
-        ParamRule(
-            (e + "output_layer.weight",),
-            ("model.embed_tokens.weight",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (a.padded_vocab_size(tp), a.hidden_size),
-            when=lambda a: a.head == "lm" and a.tie_word_embeddings,
-            exported=False,
-            hf_size=_vocab,
-        ),
-        # Critic / reward model: a one-output head, replicated on every TP rank
-        # (see heads.py), stored like HF's *ForTokenClassification / *ForSequenceClassification.
-        ParamRule(
-            (e + "output_layer.weight",),
-            ("score.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (1, a.hidden_size),
-            when=lambda a: a.head != "lm",
-        ),
-        ParamRule(
-            (e + "output_layer.bias",),
-            ("score.bias",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (1,),
-            when=lambda a: a.head != "lm" and a.head_bias,
-        ),
+        *_output_rules(e),
     )
 
 
@@ -333,167 +438,160 @@ def _vffn_hf(a: ModelArch) -> int:
     return a.vision.intermediate_size
 
 
-def _norm_rules(mcore: tuple[str, ...], hf: str) -> tuple[ParamRule, ...]:
+def _vision_hidden(a: ModelArch, tp: int) -> tuple[int, ...]:
+    """A vision norm or row-parallel bias over the block width (replicated)."""
+    return (_vh(a),)
+
+
+def _vision_norm_rules(mcore: tuple[str, ...], hf: str) -> tuple[ParamRule, ...]:
     """A vision norm: its weight, and its bias when it is a LayerNorm (Qwen2-VL)."""
     bias = tuple(m.removesuffix("weight") + "bias" for m in mcore)  # layer_norm_weight -> layer_norm_bias
     return (
-        ParamRule(mcore, (hf + ".weight",), Layout.COPY, None, lambda a, tp: (_vh(a),)),
-        ParamRule(bias, (hf + ".bias",), Layout.COPY, None, lambda a, tp: (_vh(a),), when=_layernorm),
+        _copy(mcore, hf + ".weight", shape=_vision_hidden),
+        _copy(bias, hf + ".bias", shape=_vision_hidden, when=_layernorm),
+    )
+
+
+def _vision_attention_rules(S: str, A: str) -> tuple[ParamRule, ...]:
+    """A block's attention: HF's fused ``[q; k; v]`` with biases, multi-head (``_vision_qkv``)."""
+    return (
+        ParamRule(
+            mcore=(S + "linear_qkv.weight",),
+            hf=(A + "qkv.weight",),
+            layout=Layout.QKV,
+            tp_dim=0,
+            shape=lambda a, tp: (3 * _vh(a), _vh(a)),
+            qkv=_vision_qkv,
+        ),
+        ParamRule(
+            mcore=(S + "linear_qkv.bias",),
+            hf=(A + "qkv.bias",),
+            layout=Layout.QKV,
+            tp_dim=0,
+            shape=lambda a, tp: (3 * _vh(a),),
+            qkv=_vision_qkv,
+        ),
+        _copy(S + "linear_proj.weight", A + "proj.weight", tp_dim=1, shape=lambda a, tp: (_vh(a), _vh(a))),
+        _copy(S + "linear_proj.bias", A + "proj.bias", shape=_vision_hidden),
+    )
+
+
+def _vision_mlp_rules(M: str, H: str) -> tuple[ParamRule, ...]:
+    """A block's MLP. Megatron pads its rows (``_vffn``); ``hf_size`` is HF's intermediate size."""
+    return (
+        # Qwen2.5-VL: SwiGLU with biases.
+        ParamRule(
+            mcore=(M + "linear_fc1.weight",),
+            hf=(H + "gate_proj.weight", H + "up_proj.weight"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * _vffn(a, tp), _vh(a)),
+            when=_swiglu,
+            hf_size=_vffn_hf,
+        ),
+        ParamRule(
+            mcore=(M + "linear_fc1.bias",),
+            hf=(H + "gate_proj.bias", H + "up_proj.bias"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * _vffn(a, tp),),
+            when=_swiglu,
+            hf_size=_vffn_hf,
+        ),
+        _copy(
+            M + "linear_fc2.weight",
+            H + "down_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (_vh(a), _vffn(a, tp)),
+            when=_swiglu,
+            hf_size=_vffn_hf,
+        ),
+        _copy(M + "linear_fc2.bias", H + "down_proj.bias", shape=_vision_hidden, when=_swiglu),
+        # Qwen2-VL: fc1 -> QuickGELU -> fc2.
+        _copy(
+            M + "linear_fc1.weight",
+            H + "fc1.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (_vffn(a, tp), _vh(a)),
+            when=_quick_gelu,
+            hf_size=_vffn_hf,
+        ),
+        _copy(
+            M + "linear_fc1.bias",
+            H + "fc1.bias",
+            tp_dim=0,
+            shape=lambda a, tp: (_vffn(a, tp),),
+            when=_quick_gelu,
+            hf_size=_vffn_hf,
+        ),
+        _copy(
+            M + "linear_fc2.weight",
+            H + "fc2.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (_vh(a), _vffn(a, tp)),
+            when=_quick_gelu,
+            hf_size=_vffn_hf,
+        ),
+        _copy(M + "linear_fc2.bias", H + "fc2.bias", shape=_vision_hidden, when=_quick_gelu),
+    )
+
+
+def _vision_block_rules(V: str, H: str) -> tuple[ParamRule, ...]:
+    """A vision block as a megatron TransformerLayer: norm1, attention, norm2, MLP (the
+    transformer-engine spec fuses each norm into the linear after it)."""
+    return (
+        *_vision_norm_rules(
+            (V + "input_layernorm.weight", V + "self_attention.linear_qkv.layer_norm_weight"), H + "norm1"
+        ),
+        *_vision_attention_rules(V + "self_attention.", H + "attn."),
+        *_vision_norm_rules(
+            (V + "pre_mlp_layernorm.weight", V + "mlp.linear_fc1.layer_norm_weight"), H + "norm2"
+        ),
+        *_vision_mlp_rules(V + "mlp.", H + "mlp."),
+    )
+
+
+def _merger_rules(M: str, H: str) -> tuple[ParamRule, ...]:
+    """The merger: norm, then a column-parallel fc1 -> GELU -> row-parallel fc2 over m x m patches."""
+    return (
+        *_vision_norm_rules((M + "ln_q.weight",), H + "ln_q"),
+        _copy(
+            M + "mlp.linear_fc1.weight",
+            H + "mlp.0.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (a.vision.merged_hidden_size,) * 2,
+        ),
+        _copy(
+            M + "mlp.linear_fc1.bias",
+            H + "mlp.0.bias",
+            tp_dim=0,
+            shape=lambda a, tp: (a.vision.merged_hidden_size,),
+        ),
+        _copy(
+            M + "mlp.linear_fc2.weight",
+            H + "mlp.2.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.vision.out_hidden_size, a.vision.merged_hidden_size),
+        ),
+        _copy(M + "mlp.linear_fc2.bias", H + "mlp.2.bias", shape=lambda a, tp: (a.vision.out_hidden_size,)),
     )
 
 
 def vision_rules() -> tuple[ParamRule, ...]:
     """The vision tower under ``vision_model.``: megatron TransformerLayers as ``decoder.layers.{block}``."""
-    V, H = "vision_model.decoder.layers.{block}.", "visual.blocks.{block}."
-
-    def rule(mcore, hf, layout, tp_dim, shape, **kw) -> ParamRule:
-        return ParamRule((V + mcore,), tuple(H + h for h in hf), layout, tp_dim, shape, **kw)
-
     return (
-        ParamRule(
-            ("vision_model.patch_embed.weight",),
-            ("visual.patch_embed.proj.weight",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (
+        _copy(
+            "vision_model.patch_embed.weight",
+            "visual.patch_embed.proj.weight",
+            shape=lambda a, tp: (
                 _vh(a),
                 a.vision.in_channels,
                 a.vision.temporal_patch_size,
                 *[a.vision.patch_size] * 2,
             ),
         ),
-        *_norm_rules(
-            (V + "input_layernorm.weight", V + "self_attention.linear_qkv.layer_norm_weight"), H + "norm1"
-        ),
-        rule(
-            "self_attention.linear_qkv.weight",
-            ("attn.qkv.weight",),
-            Layout.QKV,
-            0,
-            lambda a, tp: (3 * _vh(a), _vh(a)),
-            qkv=_vision_qkv,
-        ),
-        rule(
-            "self_attention.linear_qkv.bias",
-            ("attn.qkv.bias",),
-            Layout.QKV,
-            0,
-            lambda a, tp: (3 * _vh(a),),
-            qkv=_vision_qkv,
-        ),
-        rule(
-            "self_attention.linear_proj.weight",
-            ("attn.proj.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (_vh(a), _vh(a)),
-        ),
-        rule(
-            "self_attention.linear_proj.bias", ("attn.proj.bias",), Layout.COPY, None, lambda a, tp: (_vh(a),)
-        ),
-        *_norm_rules((V + "pre_mlp_layernorm.weight", V + "mlp.linear_fc1.layer_norm_weight"), H + "norm2"),
-        # Qwen2.5-VL: SwiGLU with biases.
-        rule(
-            "mlp.linear_fc1.weight",
-            ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-            Layout.GATE_UP,
-            0,
-            lambda a, tp: (2 * _vffn(a, tp), _vh(a)),
-            when=_swiglu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc1.bias",
-            ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-            Layout.GATE_UP,
-            0,
-            lambda a, tp: (2 * _vffn(a, tp),),
-            when=_swiglu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc2.weight",
-            ("mlp.down_proj.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (_vh(a), _vffn(a, tp)),
-            when=_swiglu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc2.bias",
-            ("mlp.down_proj.bias",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (_vh(a),),
-            when=_swiglu,
-        ),
-        # Qwen2-VL: fc1 -> QuickGELU -> fc2.
-        rule(
-            "mlp.linear_fc1.weight",
-            ("mlp.fc1.weight",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (_vffn(a, tp), _vh(a)),
-            when=_quick_gelu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc1.bias",
-            ("mlp.fc1.bias",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (_vffn(a, tp),),
-            when=_quick_gelu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc2.weight",
-            ("mlp.fc2.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (_vh(a), _vffn(a, tp)),
-            when=_quick_gelu,
-            hf_size=_vffn_hf,
-        ),
-        rule(
-            "mlp.linear_fc2.bias",
-            ("mlp.fc2.bias",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (_vh(a),),
-            when=_quick_gelu,
-        ),
-        # The merger: norm, then a column-parallel fc1 -> GELU -> row-parallel fc2 over m x m patches.
-        *_norm_rules(("vision_model.merger.ln_q.weight",), "visual.merger.ln_q"),
-        ParamRule(
-            ("vision_model.merger.mlp.linear_fc1.weight",),
-            ("visual.merger.mlp.0.weight",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (a.vision.merged_hidden_size,) * 2,
-        ),
-        ParamRule(
-            ("vision_model.merger.mlp.linear_fc1.bias",),
-            ("visual.merger.mlp.0.bias",),
-            Layout.COPY,
-            0,
-            lambda a, tp: (a.vision.merged_hidden_size,),
-        ),
-        ParamRule(
-            ("vision_model.merger.mlp.linear_fc2.weight",),
-            ("visual.merger.mlp.2.weight",),
-            Layout.COPY,
-            1,
-            lambda a, tp: (a.vision.out_hidden_size, a.vision.merged_hidden_size),
-        ),
-        ParamRule(
-            ("vision_model.merger.mlp.linear_fc2.bias",),
-            ("visual.merger.mlp.2.bias",),
-            Layout.COPY,
-            None,
-            lambda a, tp: (a.vision.out_hidden_size,),
-        ),
+        *_vision_block_rules("vision_model.decoder.layers.{block}.", "visual.blocks.{block}."),
+        *_merger_rules("vision_model.merger.", "visual.merger."),
     )
 
 
