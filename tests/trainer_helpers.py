@@ -139,8 +139,12 @@ def run_train(config, overrides, env=None, timeout=600, own_ray=False):
 
     The run joins this test process's shared Ray cluster through ``RAY_ADDRESS`` (start-up and
     shutdown of a Ray cost ~5 s a run), unless ``own_ray``: then the CLI starts its own, as a
-    user's ``rlhf-megatron train`` on one machine does."""
+    user's ``rlhf-megatron train`` on one machine does. A run given the fault-injection test hook
+    (``RLHF_FAULT*``, ``RLHF_STOP_AFTER_STEP``) gets ``RLHF_FAULT_HOOKS=tests/fault_hooks.py``
+    too (unless set), the file ``fault_point`` loads its handlers from; other runs do not."""
     full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in full_env.items()):
+        full_env.setdefault("RLHF_FAULT_HOOKS", str(ROOT / "tests" / "fault_hooks.py"))
     if own_ray:
         full_env.pop("RAY_ADDRESS", None)
     else:

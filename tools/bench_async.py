@@ -12,9 +12,12 @@ Runs the CPU quickstart (``configs/quickstart_cpu.yaml``: the actor at TP=2 on t
 
 ``--partial`` runs, instead, ``async`` with ``max_staleness=2`` on the same pools without and
 with ``trainer.partial_rollout``; ``--slow-rollout-ms`` stretches every engine step of the
-rollout by that much (the test hook ``RLHF_FAULT=rollout_slow:MS``), standing in for a rollout
-slower than training, where syncs meet generations in flight. Beside the step time it reports
-the weight sync's median, the rows' mean lag, and the interrupted-and-continued rows per step.
+rollout by that much (the test hook ``RLHF_FAULT=rollout_slow:MS``, with ``RLHF_FAULT_HOOKS``
+set to this repository's ``tests/fault_hooks.py`` unless already set, as for an ``RLHF_FAULT``
+of the caller's: the hooks file the package's ``fault_point`` loads the handlers from),
+standing in for a rollout slower than training, where syncs meet generations in flight. Beside
+the step time it reports the weight sync's median, the rows' mean lag, and the
+interrupted-and-continued rows per step.
 
 For each: the median step time after ``--warmup`` steps and the median of each phase. For
 ``one_step_off`` the overlap fraction: the share of the rollout's generation time during
@@ -45,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "outputs" / "tiny_model"
+FAULT_HOOKS = ROOT / "tests" / "fault_hooks.py"
 OWN_POOL = [
     "actor_rollout_ref.hybrid_engine=false",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -85,7 +89,9 @@ def run(name: str, steps: int, out: Path, slow_ms: int = 0) -> list[dict]:
         "trainer.resume_mode=disable",
         *{**RUNS, **PARTIAL_RUNS}[name],
     ]
-    env = {**os.environ, "RLHF_FAULT": f"rollout_slow:{slow_ms}"} if slow_ms else None
+    env = {**os.environ, "RLHF_FAULT": f"rollout_slow:{slow_ms}"} if slow_ms else {**os.environ}
+    if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in env.items()):
+        env.setdefault("RLHF_FAULT_HOOKS", str(FAULT_HOOKS))  # the test hook's handlers
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")

@@ -15,6 +15,11 @@ Memory figures are MiB. Exit status 1 when the RSS slope exceeds --max-rss-mb-pe
 sync-time slope exceeds --max-sync-slope (seconds per step), 2 when the run itself fails.
 
     .venv/bin/python tools/soak.py --steps 60 --warmup 20 [--config ...] [-- extra overrides]
+
+With the fault-injection test hook in the environment (``RLHF_FAULT``, e.g. ``leak:32`` or
+``sync_drift:20``, which tests/reliability/test_soak.py plants), the run also gets
+``RLHF_FAULT_HOOKS`` set to this repository's ``tests/fault_hooks.py`` (unless already set): the
+hooks file the package's ``fault_point`` loads the handlers from.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+FAULT_HOOKS = ROOT / "tests" / "fault_hooks.py"
 
 
 def _tree_rss_mb(pid: int) -> tuple[float, float]:
@@ -93,9 +99,11 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
            "trainer.save_freq=-1", "trainer.resume_mode=disable", *args.overrides]  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "soak_stderr.log"  # a file, not a pipe: a long run's logs would fill a pipe and block it
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in env.items()):
+        env.setdefault("RLHF_FAULT_HOOKS", str(FAULT_HOOKS))  # the test hook's handlers
     with log.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
     samples: dict[int, tuple[float, float, float]] = {}
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + args.timeout

@@ -1,6 +1,10 @@
 """The test hook behind ``fault_point``: ``RLHF_FAULT`` and ``RLHF_STOP_AFTER_STEP``. Not for production.
 
-Imported only when one of the variables is set (see ``platform/faults.py``).
+Not part of the package: ``rlhf_megatron/platform/faults.py`` loads this file only when
+``RLHF_FAULT_HOOKS`` names it (``tests/trainer_helpers.run_train``, ``tools/soak.py`` and
+``tools/bench_async.py`` set it to this file when a run gets ``RLHF_FAULT`` or
+``RLHF_STOP_AFTER_STEP``), calls ``handlers_from_env`` and forwards ``RLHF_FAULT*`` and
+``FORWARD_ENV`` to the worker processes. Tests may also ``import fault_hooks`` directly.
 
 ``RLHF_FAULT`` holds comma-separated entries ``<phase>:<step>[:<rank>]``; an entry without a
 rank applies to every rank. ``step`` counts the training steps *this process* has run
@@ -18,8 +22,8 @@ unaffected. Phases, and the point each acts at:
 - ``save``: the driver SIGKILLs itself at ``trainer.save``, after the workers wrote their
   files into the temporary directory and before the trainer commits it.
 
-Two entries take an amount instead of a step and act at every step (``tools/soak.py``'s
-tests use them to show that its checks catch a real leak and a real slowdown):
+Three entries take an amount instead of a step and act at every step (``tools/soak.py``'s
+tests use the first two to show that its checks catch a real leak and a real slowdown):
 
 - ``leak:<MiB>``: every actor worker keeps another ``MiB`` of memory per ``actor.update``.
 - ``sync_drift:<ms>``: every ``actor.sync`` sleeps ``ms`` times the number of updates so far.
@@ -40,7 +44,12 @@ from collections.abc import Mapping
 
 import torch
 
-from rlhf_megatron.platform.faults import FAULT_ENV, STOP_ENV, Handler, StopTraining
+from rlhf_megatron.platform.faults import Handler, StopTraining
+
+FAULT_ENV = "RLHF_FAULT"
+STOP_ENV = "RLHF_STOP_AFTER_STEP"
+FORWARD_ENV = (STOP_ENV,)
+"""What the seam forwards to worker processes besides ``RLHF_FAULT*``."""
 
 _leaked: list[bytes] = []  # the planted leak: kept alive for the life of the process
 
