@@ -3,20 +3,19 @@
 ``WorkerGroup(role, pool, worker_cls, ...)`` starts ``pool.world_size`` Ray
 actors of ``worker_cls`` (a ``workers.base.Worker`` subclass), one per bundle,
 and wires them into one process group (rank 0's node address and a free port
-are the rendezvous). Calls are explicit about how data moves:
+are the rendezvous). ``call(method, *args)`` moves data the way the method
+declares (``@dispatch(...)`` on the worker class, ``dispatch.py``):
 
-- ``call(method, *args, dispatch="all")``: every rank gets the same arguments;
-  returns the per-rank results.
-- ``call(method, batch, dispatch="dp_compute", layout="megatron")``: the
-  ``Batch`` is split into ``dp_size`` equal chunks; every TP/PP/CP rank of
-  data-parallel group ``d`` gets chunk ``d``; results are collected only from
-  the ranks that own outputs (last PP stage, TP rank 0, CP rank 0) and
-  concatenated in DP order (a list of per-DP results when they are not
-  Batches). ``layout`` names whose data-parallel grouping applies: each
-  worker answers ``dispatch_info(layout)`` (the actor also has ``rollout``,
-  its rollout engine's grouping).
-- ``call(method, *args, dispatch="rank0")``: every rank runs it, rank 0's
-  result is returned.
+- ``Dispatch.ALL`` (undeclared methods too): every rank gets the same
+  arguments; returns the per-rank results.
+- ``Dispatch.DP_COMPUTE``: the ``Batch`` is split into ``dp_size`` equal chunks;
+  every TP/PP/CP rank of data-parallel group ``d`` gets chunk ``d``; results are
+  collected only from the ranks that own outputs (last PP stage, TP rank 0, CP
+  rank 0) and concatenated in DP order (a list of per-DP results when they are
+  not Batches). The declaration's ``layout`` names whose data-parallel grouping
+  applies: each worker answers ``dispatch_info(layout)`` (the actor also has
+  ``rollout``, its rollout engine's grouping).
+- ``Dispatch.RANK0``: every rank runs it, rank 0's result is returned.
 
 Failures never hang the driver: results are awaited one at a time with a
 deadline; the first exception or dead process raises ``WorkerError`` naming
@@ -33,14 +32,19 @@ import logging
 import re
 import time
 import weakref
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
 
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch_spec
 from rlhf_megatron.scheduling.resource_pool import ResourcePool
 
 logger = logging.getLogger(__name__)
 
-DISPATCH_MODES = ("all", "dp_compute", "rank0")
+W = TypeVar("W")
+"""The worker class of a group."""
+R = TypeVar("R")
+"""What a call gives the driver."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -57,8 +61,12 @@ class WorkerError(RuntimeError):
         self.role, self.rank, self.node = role, rank, node
 
 
-class PendingCall:
+class PendingCall(Generic[R]):
     """A submitted ``WorkerGroup`` call: ``done()`` polls, ``result()`` waits (raising ``WorkerError``)."""
+
+    pad: int = 0
+    """Rows of padding the submitter added (``trainer.rollout_client``), 0 otherwise."""
+    rows: int = 0
 
     def __init__(self, group: WorkerGroup, method: str, refs: list, timeout_s: float, collect):
         self.group, self.method, self.refs = group, method, refs
@@ -73,7 +81,7 @@ class PendingCall:
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return len(ready) == len(self.refs)
 
-    def result(self) -> Any:
+    def result(self) -> R:
         try:
             return self._collect(self.group._wait(self.refs, self.deadline_s, self.method, self))
         finally:
@@ -115,15 +123,15 @@ def _death_among(pendings) -> WorkerError | None:
     return None
 
 
-class WorkerGroup:
-    """The Ray actors of one role, colocated in a resource pool's bundles."""
+class WorkerGroup(Generic[W]):
+    """The Ray actors of one role (``worker_cls``), colocated in a resource pool's bundles."""
 
     def __init__(
         self,
         role: str,
         pool: ResourcePool,
-        worker_cls: type,
-        worker_kwargs: dict[str, Any] | None = None,
+        worker_cls: type[W],
+        worker_kwargs: Mapping[str, object] | None = None,
         colocated_roles: int = 1,
         env: dict[str, str] | None = None,
         call_timeout_s: float = 3600.0,
@@ -134,6 +142,7 @@ class WorkerGroup:
 
         self.role = role
         self.pool = pool
+        self.worker_cls = worker_cls
         self.call_timeout_s = call_timeout_s
         share = 1.0 / colocated_roles
         remote_cls = ray.remote(worker_cls)
@@ -173,44 +182,24 @@ class WorkerGroup:
         self._seq = itertools.count()
 
     # ------------------------------------------------------------------ calls
-    def call(
-        self,
-        method: str,
-        *args: Any,
-        dispatch: str = "all",
-        layout: str = "megatron",
-        timeout_s: float | None = None,
-        **kwargs,
-    ) -> Any:
-        """Run ``method`` on every rank with the given dispatch mode (see the module docstring)."""
-        return self.submit(
-            method, *args, dispatch=dispatch, layout=layout, timeout_s=timeout_s, **kwargs
-        ).result()
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run ``method`` on the ranks as it declares (see the module docstring); wait for the result."""
+        return self.submit(method, *args, timeout_s=timeout_s, **kwargs).result()
 
-    def submit(
-        self,
-        method: str,
-        *args: Any,
-        dispatch: str = "all",
-        layout: str = "megatron",
-        timeout_s: float | None = None,
-        **kwargs,
-    ) -> PendingCall:
+    def submit(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> PendingCall:
         """Start ``call`` without waiting: the result (or the ``WorkerError``) comes from ``.result()``.
         Calls to one group run in the order they were submitted on every rank."""
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"WorkerGroup.call: dispatch={dispatch!r} is not one of {DISPATCH_MODES}")
+        spec = dispatch_spec(self.worker_cls, method)
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
-        if dispatch != "dp_compute":
+        if spec.mode != Dispatch.DP_COMPUTE:
+            rank0 = spec.mode == Dispatch.RANK0
             refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
             return PendingCall(
-                self, method, refs, timeout_s, lambda results: results[0] if dispatch == "rank0" else results
+                self, method, refs, timeout_s, lambda results: results[0] if rank0 else results
             )
-        infos = self.dispatch_infos(layout)
+        infos = self.dispatch_infos(spec.layout)
         if not args or not isinstance(args[0], Batch):
-            raise TypeError(
-                f"[{self.role}] dispatch='dp_compute' needs a Batch as the first argument of {method}"
-            )
+            raise TypeError(f"[{self.role}] {method} is dispatched by data-parallel rank: pass a Batch first")
         batch, rest = args[0], args[1:]
         dp = infos[0][1]
         if len(batch) % dp:

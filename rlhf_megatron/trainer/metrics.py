@@ -16,26 +16,38 @@ import torch
 from rlhf_megatron.data.batch import Batch
 
 
-@contextlib.contextmanager
-def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+class StepTimer:
+    """The one timing channel of a step, as verl's ``marked_timer``: ``with timer("reward"):`` times
+    a phase (``timing_s/reward``, summed if it runs twice) and keeps its wall-clock span for the
+    timeline (``timeline/trainer/reward/{start,end}_s``); ``record`` enters a phase timed elsewhere
+    (the rollout's own clock, a log-prob pass fused into the generation's call)."""
 
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.spans: dict[str, tuple[float, float]] = {}
+        """``<role>/<phase>`` -> (start, end), wall clock."""
 
-@contextlib.contextmanager
-def span_timer(
-    name: str, timings: dict[str, float], spans: dict[str, tuple[float, float]], role: str = "trainer"
-) -> Iterator[None]:
-    """``timer`` that also keeps the phase's wall-clock (start, end) under ``<role>/<name>`` (the timeline)."""
-    wall = time.time()
-    try:
-        with timer(name, timings):
+    @contextlib.contextmanager
+    def __call__(self, name: str, role: str = "trainer") -> Iterator[None]:
+        wall, start = time.time(), time.perf_counter()
+        try:
             yield
-    finally:
-        spans[f"{role}/{name}"] = (wall, time.time())
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.spans[f"{role}/{name}"] = (wall, time.time())
+
+    def record(self, name: str, begin: float, end: float, role: str = "trainer") -> None:
+        """A phase that ran from ``begin`` to ``end`` (wall clock) without this timer around it."""
+        self.seconds[name] = end - begin
+        self.spans[f"{role}/{name}"] = (begin, end)
+
+    def metrics(self, t0: float) -> dict[str, float]:
+        """``timing_s/<phase>`` and ``timeline/<role>/<phase>/{start,end}_s`` (seconds since ``t0``)."""
+        out = {f"timing_s/{name}": seconds for name, seconds in self.seconds.items()}
+        for span, (begin, end) in self.spans.items():
+            out[f"timeline/{span}/start_s"] = begin - t0
+            out[f"timeline/{span}/end_s"] = end - t0
+        return out
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

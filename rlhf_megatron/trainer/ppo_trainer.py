@@ -18,11 +18,10 @@ driver cannot see (``sync/*``, the converter's own phases).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +39,16 @@ from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
-from rlhf_megatron.scheduling.worker_group import PendingCall, wait_all
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.metrics import (
+    StepTimer,
     compute_data_metrics,
     compute_perf_metrics,
     compute_rollout_mismatch_metrics,
     mean_over_ranks,
-    span_timer,
 )
-from rlhf_megatron.trainer.rollout_queue import VERSION_KEY, RolloutScheduler, actor_version
+from rlhf_megatron.trainer.rollout_client import RolloutClient
+from rlhf_megatron.trainer.rollout_queue import RolloutScheduler, actor_version
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +97,9 @@ class PPOTrainer:
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
         self.rollout = rollout
-        self.interrupts = interrupts
-        self.rollout_group = rollout if rollout is not None else actor
+        self.rollout_client = RolloutClient(actor, rollout, interrupts)
+        """Generations and weight pushes (the scheduler's view of the rollout)."""
+        self.partial = interrupts is not None
         self.critic_warmup = run.trainer.critic_warmup
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -111,7 +111,6 @@ class PPOTrainer:
         self.global_step = 0
         self.history: list[dict[str, Any]] = []
         self.rollouts: RolloutScheduler | None = None
-        self._restored_queue: list = []
         self.t0 = time.time()
         """Wall-clock origin of the ``timeline/*`` metrics."""
         self.fused_passes = self._fused_passes()
@@ -125,7 +124,7 @@ class PPOTrainer:
         schedule (staleness 0, no partial rollout), and routing replay records its routes in a
         pass over the update's rows, so the old-log-prob pass stays its own call otherwise."""
         cfg = self.cfg
-        if self.rollout is not None or self.interrupts is not None:
+        if self.rollout is not None or self.partial:
             return ()
         names = []
         if (
@@ -142,11 +141,19 @@ class PPOTrainer:
     def fit(self) -> list[dict[str, Any]]:
         trainer = self.cfg.trainer
         self.t0 = time.time()
+        restored_queue = self.resume()
         self.rollouts = RolloutScheduler(
-            self, self._batches(), self.staleness(), partial=self.interrupts is not None
+            self.rollout_client,
+            self._batches(),
+            self.staleness(),
+            total_steps=self.total_steps,
+            step=self.global_step,
+            critic_warmup=self.critic_warmup,
+            partial=self.partial,
+            seed_of=self.seeds.generation,
+            log_probs=self.fused_passes,
         )
-        self.resume()
-        self.rollouts.restore(self._restored_queue)
+        self.rollouts.restore(restored_queue)
         try:
             if trainer.val_before_train or trainer.val_only:
                 val = self.validate()
@@ -206,14 +213,47 @@ class PPOTrainer:
             yield from self.train_loader
 
     def train_step(self, step: int) -> dict[str, Any]:
-        cfg, plan = self.cfg, self.plan
-        timings: dict[str, float] = {}
-        spans: dict[str, tuple[float, float]] = {}
+        """One step, phase by phase (``ARCHITECTURE.md``, "One PPO step"); every phase is timed."""
+        plan, timer, wall, start = self.plan, StepTimer(), time.time(), time.perf_counter()
         metrics: dict[str, Any] = {
             "training/global_step": step,
             "training/epoch": self.train_loader.state_dict()["epoch"],
         }
-        start = time.perf_counter()
+        batch = self._rollout(step, timer, metrics)
+        batch = self._score_and_log_probs(batch, step, timer, metrics)
+        if plan.critic:
+            with timer("values"):
+                batch = batch.union(self.critic.call("compute_values", batch))
+        with timer("adv"):
+            batch = self.compute_advantages(batch, metrics)
+        if plan.critic:
+            with timer("update_critic"):
+                metrics.update(mean_over_ranks(self.critic.call("update_critic", batch, step)))
+        if step > self.cfg.trainer.critic_warmup:
+            self._update_actor_and_sync(batch, step, timer, metrics)
+        seconds = time.perf_counter() - start
+        metrics.update(timer.metrics(self.t0), **{"timing_s/step": seconds})
+        # Where the step began on the wall clock: the steady-state time per step is the distance
+        # between consecutive steps' starts (``timing_s/step`` leaves out logging between steps).
+        metrics["timeline/step_start_s"] = wall - self.t0
+        metrics.update(compute_data_metrics(batch, plan.critic))
+        metrics.update(
+            compute_perf_metrics(
+                batch,
+                seconds,
+                self.actor.world_size,
+                self.n_params,
+                self.cfg.actor_rollout_ref.actor.ppo_epochs,
+                plan.critic,
+                plan.ref,
+            )
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ the phases of a step
+    def _rollout(self, step: int, timer: StepTimer, metrics: dict[str, Any]) -> Batch:
+        """The step's generated batch (from the scheduler), ReMax's greedy baseline, DP balancing."""
+        cfg = self.cfg
         wall = time.time()
         batch, queue_metrics = self.rollouts.take(step)
         metrics.update(queue_metrics)
@@ -221,12 +261,9 @@ class PPOTrainer:
         # step (a rollout pool's, or one queued behind the weight sync).
         gen_start, gen_end = batch.meta_info.get("gen_start"), batch.meta_info.get("gen_end")
         if gen_start is not None:
-            timings["gen"] = gen_end - gen_start
-            spans["rollout/gen"] = (gen_start, gen_end)
+            timer.record("gen", gen_start, gen_end, role="rollout")
         elif self.rollout is None:  # a batch without the clock (restored from an older checkpoint)
-            timings["gen"] = queue_metrics["timing_s/wait_gen"]
-            spans["rollout/gen"] = (wall, time.time())
-        timer = functools.partial(span_timer, timings=timings, spans=spans)
+            timer.record("gen", wall, wall + queue_metrics["timing_s/wait_gen"], role="rollout")
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(batch, step)
@@ -239,25 +276,29 @@ class PPOTrainer:
             group_by = "uid" if cfg.actor_rollout_ref.model.shared_prompt_packing else None
             batch, balance = balance_batch(batch, self.actor.dp_size(), group_by)
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
-        bypass = cfg.algorithm.rollout_correction.bypass_mode  # pi_old = pi_rollout: no actor pass
-        updates = step > cfg.trainer.critic_warmup
-        prefetch = updates and not self._sync_point(step)
-        # The actor's passes over the batch go out before the driver scores it (a worker runs its
-        # calls in order), so scoring overlaps them. With a reward model, scoring runs a model
-        # too: it goes first, as the passes' memory plan assumes.
+        return batch
+
+    def _score_and_log_probs(
+        self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
+    ) -> Batch:
+        """Rewards, and the old and reference log-probs (those the generation's call did not compute).
+
+        The actor's passes go out before the driver scores the batch (a worker runs its calls in
+        order), so scoring overlaps them. With a reward model, scoring runs a model too: it goes
+        first, as the passes' memory plan assumes."""
+        bypass = self.cfg.algorithm.rollout_correction.bypass_mode  # pi_old = pi_rollout: no actor pass
         early = self.reward_model is None
         if not early:
             scores = self._timed_score(batch, metrics, timer)
         passes = []
         for name, key, method, wanted in (
             ("old_log_prob", "old_log_probs", "compute_log_prob", not bypass),
-            ("ref", "ref_log_probs", "compute_ref_log_prob", plan.ref),
+            ("ref", "ref_log_probs", "compute_ref_log_prob", self.plan.ref),
         ):
             if f"{key}_span" in batch.meta_info:  # computed in the generation's call
-                begin, end = batch.meta_info[f"{key}_span"]
-                timings[name], spans[f"trainer/{name}"] = end - begin, (begin, end)
+                timer.record(name, *batch.meta_info[f"{key}_span"])
             if wanted and key not in batch.tensor_keys:
-                passes.append((name, time.time(), self.actor.submit(method, batch, dispatch="dp_compute")))
+                passes.append((name, time.time(), self.actor.submit(method, batch)))
         if early:
             scores = self._timed_score(batch, metrics, timer)
         batch["token_level_scores"] = scores
@@ -267,143 +308,40 @@ class PPOTrainer:
         for name, submitted, pending in passes:
             out = pending.result()
             begin, free = max(submitted, free), time.time()
-            timings[name], spans[f"trainer/{name}"] = free - begin, (begin, free)
+            timer.record(name, begin, free)
             batch = batch.union(out)
         if not bypass:
             metrics.update(compute_rollout_mismatch_metrics(batch))
         # Off-policy correction (algorithm.rollout_correction): rollout -> actor importance weights.
-        metrics.update(apply_rollout_correction(batch, cfg.algorithm.rollout_correction))
-        if plan.critic:
-            with timer("values"):
-                batch = batch.union(self.critic.call("compute_values", batch, dispatch="dp_compute"))
-        with timer("adv"):
-            batch = self.compute_advantages(batch, metrics)
-        if plan.critic:
-            with timer("update_critic"):
-                metrics.update(
-                    mean_over_ranks(self.critic.call("update_critic", batch, step, dispatch="dp_compute"))
-                )
-        if updates:
-            # Colocated sync schedule: the weight sync (and the next step's generation behind it) wait
-            # on the workers behind the update, not for the driver to read the update's result first.
-            queued = self.rollout is None and self.rollouts.prefetches
-            with timer("update_actor"):
-                update = self.actor.submit("update_actor", batch, step, dispatch="dp_compute")
-                if prefetch:  # the next step's prompts, loaded while the actor trains
-                    self.rollouts.draw_ahead(step + 1)
-                synced = self.rollouts.submit_after_update(step, prefetch) if queued else None
-                metrics.update(mean_over_ranks(update.result()))
-            # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
-            # rollout is idle or needs them), so the sync is timed as its own phase.
-            with timer("sync_weights"):
-                metrics.update(synced() if queued else self.rollouts.after_update(step, prefetch=prefetch))
-        seconds = time.perf_counter() - start
-        metrics.update({f"timing_s/{k}": v for k, v in timings.items()}, **{"timing_s/step": seconds})
-        for name, (begin, end) in spans.items():
-            role, phase = name.split("/", 1)
-            metrics[f"timeline/{role}/{phase}/start_s"] = begin - self.t0
-            metrics[f"timeline/{role}/{phase}/end_s"] = end - self.t0
-        # Where the step began on the wall clock: the steady-state time per step is the distance
-        # between consecutive steps' starts (``timing_s/step`` leaves out logging between steps).
-        metrics["timeline/step_start_s"] = wall - self.t0
-        metrics.update(compute_data_metrics(batch, plan.critic))
-        metrics.update(
-            compute_perf_metrics(
-                batch,
-                seconds,
-                self.actor.world_size,
-                self.n_params,
-                cfg.actor_rollout_ref.actor.ppo_epochs,
-                plan.critic,
-                plan.ref,
-            )
-        )
-        return metrics
+        metrics.update(apply_rollout_correction(batch, self.cfg.algorithm.rollout_correction))
+        return batch
+
+    def _update_actor_and_sync(
+        self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
+    ) -> None:
+        """The actor's update, then the new weights into the rollout (a phase of its own).
+
+        Colocated sync schedule: the weight sync (and the next step's generation behind it) wait on
+        the workers behind the update, not for the driver to read the update's result first."""
+        prefetch = not self._sync_point(step)
+        queued = self.rollout is None and self.rollouts.prefetches
+        with timer("update_actor"):
+            update = self.actor.submit("update_actor", batch, step)
+            if prefetch:  # the next step's prompts, loaded while the actor trains
+                self.rollouts.draw_ahead(step + 1)
+            synced = self.rollouts.submit_after_update(step, prefetch) if queued else None
+            metrics.update(mean_over_ranks(update.result()))
+        # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
+        # rollout is idle or needs them), so the sync is timed as its own phase.
+        with timer("sync_weights"):
+            metrics.update(synced() if queued else self.rollouts.after_update(step, prefetch=prefetch))
 
     # ------------------------------------------------------------------ pieces of a step
     def generate(self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False) -> Batch:
         """Generate now (validation, ReMax's greedy baseline); training batches go through ``rollouts``."""
-        return self.finish_generate(self.submit_generate(prompts, seed, validate=validate, greedy=greedy))
-
-    def submit_generate(
-        self,
-        prompts: Batch,
-        seed: int,
-        validate: bool = False,
-        greedy: bool = False,
-        interrupt_epoch: int | None = None,
-        log_probs: tuple[str, ...] = (),
-    ) -> PendingCall:
-        """Start generating: prompts padded to the rollout DP size (``finish_generate`` drops the padding).
-        ``interrupt_epoch`` (partial rollout): the generation stops early once ``interrupt_rollout``
-        raises the signal past it."""
-        padded, pad = prompts.pad_to_divisor(self.rollout_group.dp_size("rollout"))
-        extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
-        if log_probs:  # only the colocated actor takes them (``_fused_passes``)
-            extra["log_probs"] = log_probs
-        pending = self.rollout_group.submit(
-            "generate_sequences",
-            padded,
-            validate=validate,
-            greedy=greedy,
-            seed=seed,
-            dispatch="dp_compute",
-            layout="rollout",
-            **extra,
-        )
-        pending.pad, pending.rows = pad, len(padded)
-        return pending
-
-    def submit_continue(self, batch: Batch, seed: int, interrupt_epoch: int) -> PendingCall:
-        """Partial rollout: finish an interrupted generation's unfinished rows with the rollout's
-        current weights (``finish_generate`` collects it)."""
-        padded, pad = batch.pad_to_divisor(self.rollout_group.dp_size("rollout"))
-        pending = self.rollout_group.submit(
-            "continue_sequences",
-            padded,
-            seed=seed,
-            interrupt_epoch=interrupt_epoch,
-            dispatch="dp_compute",
-            layout="rollout",
-        )
-        pending.pad, pending.rows = pad, len(padded)
-        return pending
-
-    def interrupt_rollout(self) -> int:
-        """Stop the generations in flight at their next engine step (partial rollout); the new epoch."""
-        return self.interrupts.raise_()
-
-    def finish_generate(
-        self, pending: PendingCall, prompts: Batch | None = None, version: int | None = None
-    ) -> Batch:
-        """Wait for a generation; rows carry ``weight_version`` (the rollout pool's own; colocated,
-        ``version``, the weights the actor's engine holds)."""
-        out = pending.result()
-        n = len(out) // pending.rows
-        out = out[: len(out) - pending.pad * n] if pending.pad else out
-        if VERSION_KEY not in out.tensor_keys:
-            current = self.rollouts.rollout_version if version is None else version
-            out[VERSION_KEY] = torch.full((len(out),), current, dtype=torch.int64)
-        return out
-
-    def push_weights(self, version: int) -> dict[str, float]:
-        """Give the rollout the actor's current weights (``version`` updates): colocated, through the
-        actor's own engine; disaggregated, streamed from the trainer's rank 0 to the rollout pool."""
-        return self.submit_weights(version)()
-
-    def submit_weights(self, version: int) -> Callable[[], dict[str, float]]:
-        """Start ``push_weights``; the returned function waits for it and gives its ``sync/*`` metrics.
-        Calls submitted to the rollout after this one run with the new weights."""
-        if self.rollout is None:
-            return self.actor.submit("sync_weights", dispatch="rank0").result
-        send = self.actor.submit("send_weights", version, dispatch="rank0")
-        receive = self.rollout.submit("receive_weights", version, dispatch="rank0")
-
-        def wait() -> dict[str, float]:
-            sent, received = wait_all([send, receive])
-            return {**sent, **received}
-
-        return wait
+        client = self.rollout_client
+        pending = client.submit_generate(prompts, seed, validate=validate, greedy=greedy)
+        return client.finish_generate(pending, self.rollouts.rollout_version)
 
     def _greedy_baseline(self, batch: Batch, step: int) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, broadcast to that prompt's samples."""
@@ -422,7 +360,7 @@ class PPOTrainer:
         scores, _ = self.score(greedy, self.reward_fn)
         return scores.sum(-1).repeat_interleave(n)
 
-    def _timed_score(self, batch: Batch, metrics: dict[str, Any], timer) -> torch.Tensor:
+    def _timed_score(self, batch: Batch, metrics: dict[str, Any], timer: StepTimer) -> torch.Tensor:
         with timer("reward"):
             scores, reward_metrics = self.score(batch, self.reward_fn)
         metrics.update(reward_metrics)
@@ -433,7 +371,7 @@ class PPOTrainer:
         result = reward_fn(batch)
         scores, metrics = result.token_level_scores, dict(result.metrics)
         if self.reward_model is not None:
-            rm = self.reward_model.call("compute_rm_score", batch, dispatch="dp_compute")["rm_scores"]
+            rm = self.reward_model.call("compute_rm_score", batch)["rm_scores"]
             scores = scores + rm
             metrics["reward/rm_score_mean"] = float(rm.sum(-1).mean())
         return scores, metrics
@@ -538,10 +476,11 @@ class PPOTrainer:
             self.checkpoints.abort(tmp)
             raise
 
-    def resume(self) -> None:
+    def resume(self) -> list:
+        """Load ``resume_from`` into the workers and the driver; the batches it had generated ahead."""
         path = self.resume_from
         if path is None:
-            return
+            return []
         state = self.checkpoints.read_state(path)
         self.actor.call("load_checkpoint", str(path))
         if self.plan.critic:
@@ -549,10 +488,8 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
-        if state.get("rollout_queue"):
-            self._restored_queue = torch.load(path / QUEUE_FILE, weights_only=False)
-        version = actor_version(self.global_step, self.critic_warmup)
-        self.rollouts.rollout_version = version
+        queued = torch.load(path / QUEUE_FILE, weights_only=False) if state.get("rollout_queue") else []
         if self.rollout is not None:  # the rollout pool still holds the initial weights
-            self.push_weights(version)
+            self.rollout_client.push_weights(actor_version(self.global_step, self.critic_warmup))
         logger.info("resumed from %s at step %d", path, self.global_step)
+        return queued

@@ -24,7 +24,7 @@ Partial rollout (``trainer.partial_rollout``): a sync never waits for a generati
 The same rule decides when the rollout syncs; then the trainer raises the interrupt signal,
 the running generations stop at their next engine step and return what they have, the
 rollout receives the weights, and every unfinished row continues from its tokens under the
-new weights (``submit_continue``). A row's ``weight_version`` is its first token's, so the
+new weights (``Rollout.submit_continue``). A row's ``weight_version`` is its first token's, so the
 lag bound still holds; the rows continued are counted per step (``async/partial_samples``).
 Where a generation stood when the update ended depends on the clock, so such a run is not
 bit-reproducible.
@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,6 +66,40 @@ def can_start(step: int, current: int, rollout_version: int, staleness: int, cri
     return actor_version(step - 1, critic_warmup) - rollout_version <= staleness
 
 
+class Pending(Protocol):
+    """A submitted rollout call (``scheduling.worker_group.PendingCall``)."""
+
+    def result(self) -> Any: ...
+
+
+class Rollout(Protocol):
+    """What the scheduler drives: the rollout, whose calls run in the order they are submitted.
+    ``trainer.rollout_client.RolloutClient`` implements it over worker groups."""
+
+    def submit_generate(
+        self,
+        prompts: Batch,
+        seed: int,
+        *,
+        interrupt_epoch: int | None = None,
+        log_probs: tuple[str, ...] = (),
+    ) -> Pending: ...
+
+    def submit_continue(self, batch: Batch, seed: int, interrupt_epoch: int) -> Pending: ...
+
+    def finish_generate(self, pending: Pending, version: int) -> Batch:
+        """The generated batch; rows without a ``weight_version`` column get ``version``."""
+        ...
+
+    def submit_weights(self, version: int) -> Callable[[], dict[str, float]]:
+        """Send the actor's weights after ``version`` updates; the function waits (``sync/*`` metrics)."""
+        ...
+
+    def interrupt(self) -> int:
+        """Stop the generations in flight at their next engine step; returns the new epoch."""
+        ...
+
+
 @dataclass
 class _Generation:
     step: int
@@ -83,8 +117,25 @@ class _Generation:
 class RolloutScheduler:
     """Submits generations ahead of training within the staleness bound and syncs the rollout."""
 
-    def __init__(self, trainer, prompts: Iterator[Batch], staleness: int, partial: bool = False):
-        self.trainer = trainer
+    def __init__(
+        self,
+        rollout: Rollout,
+        prompts: Iterator[Batch],
+        staleness: int,
+        *,
+        total_steps: int,
+        step: int = 0,
+        critic_warmup: int = 0,
+        partial: bool = False,
+        seed_of: Callable[[int], int] = lambda step: step,
+        log_probs: tuple[str, ...] = (),
+    ):
+        """``step``: the last step trained (0, or the step a run resumed at); the rollout holds its
+        weights. ``seed_of(step)``: the generation seed of a step's batch; ``log_probs``: the
+        log-prob columns a training generation computes in its own call."""
+        self.rollout = rollout
+        self.total_steps, self.critic_warmup = total_steps, critic_warmup
+        self.seed_of, self.log_probs = seed_of, log_probs
         self.partial = partial
         self.epoch = 0
         """Partial rollout: the interrupt signal's count (only this scheduler raises it)."""
@@ -92,8 +143,8 @@ class RolloutScheduler:
         self.prompts = prompts
         self.staleness = staleness
         self.queue: deque[_Generation] = deque()
-        self.next_step = trainer.global_step + 1
-        self.rollout_version = actor_version(trainer.global_step, trainer.critic_warmup)
+        self.next_step = step + 1
+        self.rollout_version = actor_version(step, critic_warmup)
         self.dropped = 0
         self.drawn: tuple[int, Batch] | None = None
         """(step, prompts) drawn ahead of their generation's submission (``draw_ahead``)."""
@@ -106,31 +157,29 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ generations
     def _submit(self, step: int) -> None:
-        t = self.trainer
         if self.drawn is not None and self.drawn[0] == step:
             prompts, self.drawn = self.drawn[1], None
         else:
             prompts = next(self.prompts)
         # The GRPO-family estimators group responses by this per-prompt uid (unique per step).
         prompts["uid"] = np.array([f"{step}-{i}" for i in range(len(prompts))], dtype=object)
-        gen = _Generation(step, prompts, seed=t.seeds.generation(step))
+        gen = _Generation(step, prompts, seed=self.seed_of(step))
         epoch = self.epoch if self.partial else None
-        gen.pending = t.submit_generate(
-            prompts, seed=gen.seed, interrupt_epoch=epoch, log_probs=t.fused_passes
+        gen.pending = self.rollout.submit_generate(
+            prompts, gen.seed, interrupt_epoch=epoch, log_probs=self.log_probs
         )
         self.queue.append(gen)
 
     def _fill(self, current: int) -> None:
-        t = self.trainer
-        while self.next_step <= t.total_steps and can_start(
-            self.next_step, current, self.rollout_version, self.staleness, t.critic_warmup
+        while self.next_step <= self.total_steps and can_start(
+            self.next_step, current, self.rollout_version, self.staleness, self.critic_warmup
         ):
             self._submit(self.next_step)
             self.next_step += 1
 
     def _finish(self, gen: _Generation) -> Batch:
         if gen.batch is None:
-            gen.batch = self.trainer.finish_generate(gen.pending, gen.prompts, self.rollout_version)
+            gen.batch = self.rollout.finish_generate(gen.pending, self.rollout_version)
             gen.pending = None
             if gen.started is None:
                 gen.started = gen.batch.meta_info.get("gen_start")
@@ -151,14 +200,13 @@ class RolloutScheduler:
             unfinished = batch[UNFINISHED_KEY]
             gen.continued = unfinished.clone() if gen.continued is None else gen.continued | unfinished
             seed = gen.seed + 7919 * (self.interrupts + n)
-            gen.pending = self.trainer.submit_continue(batch, seed=seed, interrupt_epoch=self.epoch)
+            gen.pending = self.rollout.submit_continue(batch, seed, self.epoch)
             gen.batch = None
 
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """The generated batch of ``step`` (waiting for it), and the step's ``async/*`` metrics."""
-        t = self.trainer
         start = time.perf_counter()
-        trained_by = actor_version(step - 1, t.critic_warmup)
+        trained_by = actor_version(step - 1, self.critic_warmup)
         while True:
             if not self.queue:
                 self.sync(trained_by)  # a dropped batch: regenerate with the newest weights
@@ -206,7 +254,7 @@ class RolloutScheduler:
         """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
         actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation
         behind the weight sync costs the driver no data loading while the rollout waits for it."""
-        if self.prefetches and self.drawn is None and self.next_step == step <= self.trainer.total_steps:
+        if self.prefetches and self.drawn is None and self.next_step == step <= self.total_steps:
             self.drawn = (step, next(self.prompts))
 
     # ------------------------------------------------------------------ weights
@@ -225,7 +273,7 @@ class RolloutScheduler:
         function. The trainer of a colocated sync schedule calls it as soon as the update is submitted:
         a worker runs calls in order, so the sync and the next generation wait on the worker behind
         the update instead of for the driver to read the update's result first."""
-        version = actor_version(step, self.trainer.critic_warmup)
+        version = actor_version(step, self.critic_warmup)
         if version == self.rollout_version or len(self.queue) > 1:
             return dict
         return self._submit_sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
@@ -240,13 +288,13 @@ class RolloutScheduler:
         if version == self.rollout_version:
             return dict
         if self.partial and any(gen.batch is None for gen in self.queue):
-            self.epoch = self.trainer.interrupt_rollout()  # they return at their next engine step
+            self.epoch = self.rollout.interrupt()  # they return at their next engine step
             self.interrupts += 1
         # The rollout receives after its queued generations anyway; waiting for them here first
         # costs nothing and blames a failure on the call that met it (a generation, not the sync).
         for gen in self.queue:
             self._finish(gen)
-        wait = self.trainer.submit_weights(version)
+        wait = self.rollout.submit_weights(version)
         self.rollout_version = version
         if fill_from is not None:
             self._fill(fill_from)

@@ -173,7 +173,7 @@ def _worker_groups(run: RunConfig, context: RunContext):
     if "rollout" in groups:
         actor, rollout_group = groups["actor"], groups["rollout"]
         route = CrossPoolRoute.of(rollout_group.world_size)
-        host, port = actor.nodes[0]["ip"], actor.call("node_info", dispatch="rank0")["free_port"]
+        host, port = actor.nodes[0]["ip"], actor.call("node_info")["free_port"]
         wait_all(
             [
                 actor.submit("join_sync_group", host, port, route),

@@ -31,6 +31,7 @@ from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.rollout import RolloutEngine
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, send_buckets
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
@@ -131,6 +132,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             )
         return super().dispatch_info(layout)
 
+    @dispatch(Dispatch.RANK0)
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's current weights into the rollout engine (collective over the actor).
         Returns the converter's per-phase seconds and peak bucket bytes as ``sync/*``."""
@@ -150,6 +152,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         if rank is not None:
             self.sync_group = open_sync_group(host, port, rank, route.group_size)
 
+    @dispatch(Dispatch.RANK0)
     def send_weights(self, version: int) -> dict[str, float]:
         """Every rank executes the plan (gathers inside the trainer's world); rank 0 streams the
         buckets to the rollout pool (``RolloutWorker.receive_weights``), bucket ``k+1`` gathered while
@@ -170,6 +173,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     def on_weights_loaded(self) -> None:
         self.weights_stale = True
 
+    @dispatch(Dispatch.DP_COMPUTE, layout="rollout")
     def generate_sequences(
         self,
         prompts: Batch,
@@ -246,6 +250,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             extra_keys=("responses", *extra_keys),
         )
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs`` [B, R] of the current actor. (No entropy: the update pass logs it, and
         over a real vocabulary it costs as much as the log-probs.) Routing replay: R3 replays the
@@ -296,6 +301,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         batch = batch.union(Batch.from_dict({ROUTES_KEY: routes}))
         return batch
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         """``ref_log_probs`` [B, R] of the reference policy."""
         if self.ref is None:
@@ -353,6 +359,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
 
         return fn
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch, step: int = 0) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches; returns averaged metrics (on output ranks)."""
         fault_point("actor.update", step=self.updates + 1, rank=self.rank, batch=batch)

@@ -16,6 +16,7 @@ import socket
 from typing import Any
 
 from rlhf_megatron.platform import ParallelInfo
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 
 
 class Worker:
@@ -29,6 +30,7 @@ class Worker:
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
 
+    @dispatch(Dispatch.RANK0)
     def node_info(self) -> dict[str, Any]:
         """Where this process runs: IP, Ray node id, hostname, pid, and a free port for rendezvous."""
         import ray

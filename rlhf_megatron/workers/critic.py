@@ -25,6 +25,7 @@ from rlhf_megatron.algorithms import compute_value_loss
 from rlhf_megatron.config.schema import CriticConfig, RewardModelConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import fault_point
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
 
@@ -57,6 +58,7 @@ class CriticWorker(MegatronRoleWorker):
         )
         self.engines = {"critic": self.critic}
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch | None:
         """``values`` [B, R]: the value of the state before each response token."""
         critic = self.section
@@ -75,6 +77,7 @@ class CriticWorker(MegatronRoleWorker):
         )
         return None if out is None else Batch.from_dict({"values": out["values"]})
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch, step: int = 0) -> dict[str, float]:
         """PPO epochs x mini-batches of the clipped value loss; averaged metrics (on output ranks)."""
         critic = self.section
@@ -144,6 +147,7 @@ class RewardModelWorker(MegatronRoleWorker):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         return Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos})
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def compute_rm_score(self, batch: Batch) -> Batch | None:
         """``rm_scores`` [B, R]: the reward model's score on the last response token."""
         rm = self.section

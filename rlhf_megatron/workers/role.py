@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,29 @@ import torch
 
 from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.model_arch import HeadKind, ModelArch
-from rlhf_megatron.config.schema import MegatronConfig
+from rlhf_megatron.config.schema import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    CriticConfig,
+    MegatronConfig,
+    RewardModelConfig,
+)
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.moe import ExpertLoadRecorder
 from rlhf_megatron.platform import ParallelGroups, init_model_parallel
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.workers.base import Worker
-from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
+from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, LossFn, MegatronEngine, split_micro_batches
 
 logger = logging.getLogger(__name__)
+
+RoleSection = ActorRolloutRefConfig | CriticConfig | RewardModelConfig
+"""The typed config section a Megatron role receives (``actor_rollout_ref``, ``critic``, ``reward_model``)."""
+OutputFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""A forward-only pass's per-micro-batch outputs, from the last stage's output and the micro-batch."""
+TrainedSection = ActorConfig | CriticConfig
+"""A section with verl's PPO update keys (mini-batches, epochs, micro-batches, dynamic batching)."""
 
 
 def parallel_config(megatron: MegatronConfig) -> ParallelConfig:
@@ -77,7 +92,7 @@ class MegatronRoleWorker(Worker):
         role: str,
         rank: int,
         world_size: int,
-        section: Any,
+        section: RoleSection,
         context: RunContext,
         env: dict[str, str] | None = None,
     ):
@@ -123,7 +138,7 @@ class MegatronRoleWorker(Worker):
         self,
         engine: MegatronEngine,
         batch: Batch,
-        fn,
+        fn: OutputFn,
         micro_batch_size: int | None,
         max_tokens: int | None = None,
         extra_keys: tuple[str, ...] = (),
@@ -145,7 +160,13 @@ class MegatronRoleWorker(Worker):
 
     # ------------------------------------------------------------------ PPO updates
     def train_ppo_epochs(
-        self, engine: MegatronEngine, batch: Batch, keys: tuple[str, ...], loss_fn, role_cfg, step: int
+        self,
+        engine: MegatronEngine,
+        batch: Batch,
+        keys: tuple[str, ...],
+        loss_fn: LossFn,
+        role_cfg: TrainedSection,
+        step: int,
     ) -> dict[str, float]:
         """``ppo_epochs`` x mini-batches x micro-batches of ``loss_fn`` on this DP rank's ``batch``.
 
@@ -194,7 +215,7 @@ class MegatronRoleWorker(Worker):
         return metrics
 
     @staticmethod
-    def _mini_batches(batch: Batch, role_cfg, mini_rows: int, generator: torch.Generator):
+    def _mini_batches(batch: Batch, role_cfg: TrainedSection, mini_rows: int, generator: torch.Generator):
         """``ppo_epochs`` passes over ``batch`` in mini-batches of ``mini_rows`` (shuffled per epoch)."""
         for _ in range(role_cfg.ppo_epochs):
             order = (
@@ -305,6 +326,7 @@ class MegatronRoleWorker(Worker):
             get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
         self.on_weights_loaded()
 
+    @dispatch(Dispatch.RANK0)
     def named_weights(self, contains: str = "", engine: str | None = None) -> dict[str, torch.Tensor]:
         """This rank's parameters whose (chunk-local) name contains ``contains``, copied: for
         inspecting what a step changed (e.g. that a frozen vision tower did not move)."""

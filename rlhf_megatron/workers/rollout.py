@@ -34,6 +34,7 @@ from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import fault_env, fault_point
 from rlhf_megatron.rollout import UNFINISHED_KEY, RolloutEngine, RolloutSampling, build_rollout_engine
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, receive_buckets
 from rlhf_megatron.workers.base import Worker
 
@@ -181,6 +182,7 @@ class RolloutWorker(Worker):
             host, port, route.group_rank("rollout", self.rank), route.group_size
         )
 
+    @dispatch(Dispatch.DP_COMPUTE, layout="rollout")
     def generate_sequences(
         self,
         prompts: Batch,
@@ -215,6 +217,7 @@ class RolloutWorker(Worker):
         out.meta_info.update(gen_start=start, gen_end=time.time())
         return out
 
+    @dispatch(Dispatch.DP_COMPUTE, layout="rollout")
     def continue_sequences(self, batch: Batch, seed: int | None, interrupt_epoch: int) -> Batch:
         """Finish the unfinished rows of an interrupted generation with the current weights (see
         ``VLLMEngine.continue_sequences``); a row that had no token yet takes this version."""
@@ -246,6 +249,7 @@ class RolloutWorker(Worker):
             raise RuntimeError(f"[rollout] rank {self.rank}: partial rollout needs join_sync_group first")
         return InterruptSignal(self.sync_group.store).stop_after(epoch, self.rank)
 
+    @dispatch(Dispatch.RANK0)
     def receive_weights(self, version: int) -> dict[str, float]:
         """Load the weights the trainer's rank 0 streams (``ActorRolloutRefWorker.send_weights``)."""
         if self.sync_group is None:

@@ -3,7 +3,7 @@
 One uninterrupted 3-step run (checkpoint every step; the session's shared ``reference_run``) is the
 reference: runs that are killed (a worker mid-generation, mid-update or mid-weight-sync, the driver
 mid-save) and restarted with resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
-(``rlhf_megatron/platform/fault_hooks.py``).
+(``tests/fault_hooks.py``).
 """
 
 import json

@@ -7,6 +7,7 @@ import time
 import torch
 
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.workers.base import Worker
 
 
@@ -18,6 +19,7 @@ class EchoWorker(Worker):
 
         self.parallel = init_model_parallel(tp, pp)
 
+    @dispatch(Dispatch.DP_COMPUTE)
     def tag_rows(self, batch: Batch) -> Batch:
         out = Batch.from_dict(
             {

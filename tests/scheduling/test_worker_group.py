@@ -37,7 +37,7 @@ def test_dp_compute_splits_by_dp_rank_and_collects_owners(local_ray, n, tp):
     group, pool = _group(n, tp, f"echo{n}")
     try:
         x = torch.arange(8, dtype=torch.float32)
-        out = group.call("tag_rows", Batch.from_dict({"x": x}), dispatch="dp_compute")
+        out = group.call("tag_rows", Batch.from_dict({"x": x}))
         dp = n // tp
         assert torch.equal(out["x"], x), "rows come back in order"
         assert torch.equal(out["dp_rank"], torch.arange(dp).repeat_interleave(8 // dp))
@@ -45,7 +45,7 @@ def test_dp_compute_splits_by_dp_rank_and_collects_owners(local_ray, n, tp):
         assert torch.allclose(out["tp_sum"], torch.full((8,), float(x.sum()) * tp))
         if dp > 1:
             with pytest.raises(ValueError, match="does not split into data-parallel size"):
-                group.call("tag_rows", Batch.from_dict({"x": torch.arange(3.0)}), dispatch="dp_compute")
+                group.call("tag_rows", Batch.from_dict({"x": torch.arange(3.0)}))
     finally:
         group.shutdown()
         pool.remove()

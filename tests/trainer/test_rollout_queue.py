@@ -1,5 +1,6 @@
 """The rollout scheduler's rule on its own: which weight version generates each step's batch, when the
-rollout syncs, and what is dropped. The trainer side is a recorder (the e2e runs are in test_async_e2e)."""
+rollout syncs, and what is dropped. The rollout is a recorder of the scheduler's narrow interface
+(``rollout_queue.Rollout``; the e2e runs are in test_async_e2e)."""
 
 import pytest
 import torch
@@ -20,27 +21,18 @@ class _Done:
         return self.batch
 
 
-class _Trainer:
+class _Rollout:
     """Generation is instant; ``version`` is what the rollout holds when a generation runs."""
 
-    def __init__(self, total, critic_warmup=0):
-        self.global_step, self.total_steps, self.critic_warmup = 0, total, critic_warmup
+    def __init__(self):
         self.events = []
         self.rollout_holds = 0  # the rollout's version in call order (a rollout runs calls in order)
-        self.fused_passes = ()
 
-        class Seeds:
-            @staticmethod
-            def generation(step):
-                return step
-
-        self.seeds = Seeds()
-
-    def submit_generate(self, prompts, seed, interrupt_epoch=None, log_probs=()):
+    def submit_generate(self, prompts, seed, *, interrupt_epoch=None, log_probs=()):
         self.events.append(("gen", seed, self.rollout_holds))
         return _Done(Batch.from_dict({VERSION_KEY: torch.full((len(prompts),), self.rollout_holds)}))
 
-    def finish_generate(self, pending, prompts, version):
+    def finish_generate(self, pending, version):
         return pending.result()
 
     def submit_weights(self, version):
@@ -49,23 +41,28 @@ class _Trainer:
         return lambda: {}
 
 
+def _scheduler(rollout, prompts, staleness, total, critic_warmup=0, partial=False):
+    return RolloutScheduler(rollout, prompts, staleness, total_steps=total, critic_warmup=critic_warmup,
+                            partial=partial)  # fmt: skip
+
+
 def _prompts():
     while True:
         yield Batch.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
 
 
 def _simulate(staleness, total=5, critic_warmup=0, prefetch=False):
-    trainer = _Trainer(total, critic_warmup)
-    sched = RolloutScheduler(trainer, _prompts(), staleness)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _prompts(), staleness, total, critic_warmup)
     lags = []
     for step in range(1, total + 1):
         _, metrics = sched.take(step)
         lags.append(metrics["async/staleness_max"])
-        trainer.events.append(("update", step))
+        rollout.events.append(("update", step))
         if prefetch:
             sched.draw_ahead(step + 1)
         sched.after_update(step, prefetch=prefetch)
-    return trainer.events, lags
+    return rollout.events, lags
 
 
 def test_staleness_zero_is_the_sync_schedule():
@@ -81,17 +78,17 @@ def test_prefetch_submits_the_next_generation_behind_the_sync_with_the_same_weig
     events, lags = _simulate(0, total=3, prefetch=True)
     assert events == _simulate(0, total=3)[0]  # the same calls in the same order, with the same weights
     assert lags == [0, 0, 0]
-    trainer = _Trainer(3)
-    sched = RolloutScheduler(trainer, _prompts(), 0)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _prompts(), 0, 3)
     sched.take(1)
     sched.after_update(1, prefetch=True)
-    assert trainer.events[-2:] == [("sync", 1), ("gen", 2, 1)]  # before the driver's next take
+    assert rollout.events[-2:] == [("sync", 1), ("gen", 2, 1)]  # before the driver's next take
     assert [g.step for g in sched.queue] == [2]
-    trainer = _Trainer(1)
-    sched = RolloutScheduler(trainer, _prompts(), 0)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _prompts(), 0, 1)
     sched.take(1)
     sched.after_update(1, prefetch=True)  # the last step: nothing left to generate
-    assert trainer.events[-1] == ("sync", 1) and not sched.queue
+    assert rollout.events[-1] == ("sync", 1) and not sched.queue
 
 
 def _numbered_prompts(drawn):
@@ -104,8 +101,8 @@ def _numbered_prompts(drawn):
 
 def test_prompts_drawn_ahead_feed_the_next_generation_once_and_a_sync_point_sends_them_out():
     drawn = []
-    trainer = _Trainer(4)
-    sched = RolloutScheduler(trainer, _numbered_prompts(drawn), 0)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _numbered_prompts(drawn), 0, 4)
     sched.take(1)
     sched.draw_ahead(2)
     sched.draw_ahead(2)  # already drawn: the loader is not read twice
@@ -116,9 +113,9 @@ def test_prompts_drawn_ahead_feed_the_next_generation_once_and_a_sync_point_send
     sched.draw_ahead(3)
     sched.drain(2)  # a sync point came after all (e.g. the run is saved): step 3's batch goes out
     assert sched.drawn is None and [(g.step, g.batch is not None) for g in sched.queue] == [(3, True)]
-    assert trainer.events[-2:] == [("sync", 2), ("gen", 3, 2)] and drawn == [1, 2, 3]
+    assert rollout.events[-2:] == [("sync", 2), ("gen", 3, 2)] and drawn == [1, 2, 3]
     for staleness in (1, 2):  # the async schedules draw when they submit
-        sched = RolloutScheduler(_Trainer(4), _prompts(), staleness)
+        sched = _scheduler(_Rollout(), _prompts(), staleness, 4)
         sched.take(1)
         sched.draw_ahead(sched.next_step)
         assert sched.drawn is None
@@ -159,8 +156,8 @@ def test_can_start_bounds_both_lag_and_lead():
 
 
 def test_a_batch_older_than_the_bound_is_dropped_counted_and_regenerated():
-    trainer = _Trainer(3)
-    sched = RolloutScheduler(trainer, _prompts(), 1)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _prompts(), 1, 3)
     sched.take(1)
     sched.after_update(1)
     # A batch from version 0 queued for step 3 (e.g. restored from an older schedule): lag 2 > 1.
@@ -176,41 +173,41 @@ def test_a_batch_older_than_the_bound_is_dropped_counted_and_regenerated():
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_drain_leaves_the_rollout_at_the_newest_version(staleness):
-    trainer = _Trainer(4)
-    sched = RolloutScheduler(trainer, _prompts(), staleness)
+    rollout = _Rollout()
+    sched = _scheduler(rollout, _prompts(), staleness, 4)
     sched.take(1)
     if staleness:
         sched.take(2)
     sched.drain(2)
-    assert trainer.rollout_holds == 2 and sched.rollout_version == 2
+    assert rollout.rollout_holds == 2 and sched.rollout_version == 2
     assert all(g.batch is not None for g in sched.queue)
 
 
 class _Running:
     """A generation that runs until its result is asked for, unless interrupted first."""
 
-    def __init__(self, trainer, rows, version, epoch):
-        self.trainer, self.rows, self.version, self.epoch = trainer, rows, version, epoch
+    def __init__(self, rollout, rows, version, epoch):
+        self.rollout, self.rows, self.version, self.epoch = rollout, rows, version, epoch
 
     def result(self):
-        cut = self.trainer.epoch > self.epoch
+        cut = self.rollout.epoch > self.epoch
         return Batch.from_dict({VERSION_KEY: torch.full((self.rows,), self.version),
                                 UNFINISHED_KEY: torch.full((self.rows,), cut)})  # fmt: skip
 
 
-class _PartialTrainer(_Trainer):
-    """The recorder with partial rollout: generations are cut short by ``interrupt_rollout``."""
+class _PartialRollout(_Rollout):
+    """The recorder with partial rollout: generations are cut short by ``interrupt``."""
 
-    def __init__(self, total):
-        super().__init__(total)
+    def __init__(self):
+        super().__init__()
         self.epoch = 0
 
-    def submit_generate(self, prompts, seed, interrupt_epoch=None, log_probs=()):
+    def submit_generate(self, prompts, seed, *, interrupt_epoch=None, log_probs=()):
         assert interrupt_epoch == self.epoch, "a generation must be submitted under the current epoch"
         self.events.append(("gen", seed, self.rollout_holds))
         return _Running(self, len(prompts), self.rollout_holds, interrupt_epoch)
 
-    def interrupt_rollout(self):
+    def interrupt(self):
         self.epoch += 1
         self.events.append(("interrupt",))
         return self.epoch
@@ -222,8 +219,8 @@ class _PartialTrainer(_Trainer):
 
 
 def test_partial_rollout_interrupts_at_every_sync_and_continues_under_the_new_weights():
-    trainer = _PartialTrainer(total=5)
-    sched = RolloutScheduler(trainer, _prompts(), staleness=2, partial=True)
+    rollout = _PartialRollout()
+    sched = _scheduler(rollout, _prompts(), staleness=2, total=5, partial=True)
     records = []
     for step in range(1, 6):
         batch, metrics = sched.take(step)
@@ -232,12 +229,12 @@ def test_partial_rollout_interrupts_at_every_sync_and_continues_under_the_new_we
         sched.after_update(step)
     # The same rule decides when to sync as without partial rollout ...
     plain, _ = _simulate(2, total=5)
-    assert [e for e in trainer.events if e[0] == "sync"] == [e for e in plain if e[0] == "sync"]
+    assert [e for e in rollout.events if e[0] == "sync"] == [e for e in plain if e[0] == "sync"]
     # ... but a sync with generations in flight interrupts them first and continues them after.
-    for i, event in enumerate(trainer.events):
+    for i, event in enumerate(rollout.events):
         if event[0] == "interrupt":
-            assert trainer.events[i + 1][0] == "sync" and trainer.events[i + 2][0] == "continue"
-            assert trainer.events[i + 2][1] == trainer.events[i + 1][1], "continued under the new weights"
+            assert rollout.events[i + 1][0] == "sync" and rollout.events[i + 2][0] == "continue"
+            assert rollout.events[i + 2][1] == rollout.events[i + 1][1], "continued under the new weights"
     assert sum(r["async/partial_samples"] for r in records) > 0
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
-    assert records[-1]["async/interrupts"] == sum(e[0] == "interrupt" for e in trainer.events) > 0
+    assert records[-1]["async/interrupts"] == sum(e[0] == "interrupt" for e in rollout.events) > 0

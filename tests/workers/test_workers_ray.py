@@ -135,14 +135,12 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
         rollout = group.call(
             "generate_sequences",
             _prompts(),
-            dispatch="dp_compute",
-            layout="rollout",
             log_probs=("old_log_probs",),
         )
         assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
         mask = rollout["response_mask"].float()
         fused = rollout.pop(["old_log_probs"])["old_log_probs"]
-        old = group.call("compute_log_prob", rollout, dispatch="dp_compute")["old_log_probs"]
+        old = group.call("compute_log_prob", rollout)["old_log_probs"]
         # The pass the generation's call ran on its own rows is the pass of a call of its own.
         assert torch.equal(fused, old) and "old_log_probs_span" in rollout.meta_info
         hf = _hf_log_probs(tiny, rollout)
@@ -151,15 +149,15 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
 
         # One PPO update with a fixed advantage moves the weights; the next rollout must see them.
         rollout = rollout.union(Batch_like(rollout, old))
-        metrics = group.call("update_actor", rollout, dispatch="dp_compute")
+        metrics = group.call("update_actor", rollout)
         assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
-        new = group.call("compute_log_prob", rollout, dispatch="dp_compute")["old_log_probs"]
+        new = group.call("compute_log_prob", rollout)["old_log_probs"]
         assert ((new - old).abs() * mask).max() > 1e-3, "the update did not change the policy"
         # The driver syncs right after every update; the converter reports its phases.
-        sync = group.call("sync_weights", dispatch="rank0")
+        sync = group.call("sync_weights")
         assert {"sync/gather_s", "sync/convert_s", "sync/peak_bucket_bytes"} <= set(sync)
-        rollout2 = group.call("generate_sequences", _prompts(), dispatch="dp_compute", layout="rollout")
-        new2 = group.call("compute_log_prob", rollout2, dispatch="dp_compute")["old_log_probs"]
+        rollout2 = group.call("generate_sequences", _prompts())
+        new2 = group.call("compute_log_prob", rollout2)["old_log_probs"]
         mask2 = rollout2["response_mask"].float()
         assert ((new2 - rollout2["rollout_log_probs"]).abs() * mask2).max() < 1e-4, "stale weights in vLLM"
     finally:
@@ -186,7 +184,7 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
         from rlhf_megatron.rollout.base import assemble_rollout
 
         batch = assemble_rollout(_prompts(), [[30, 31, 2]] * 4, [[0.0] * 3] * 4, 1, RESPONSE_LEN, 0)
-        values = group.call("compute_values", batch, dispatch="dp_compute")["values"]
+        values = group.call("compute_values", batch)["values"]
         assert values.shape == (4, RESPONSE_LEN) and torch.isfinite(values).all()
         single = _single_process_values(tiny, batch)
         mask = batch["response_mask"].bool()
@@ -195,7 +193,7 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
             "values past a response's end must be zero, as verl's critic gives them"
         )
         batch = batch.union(values_batch(batch, values))
-        metrics = group.call("update_critic", batch, dispatch="dp_compute")
+        metrics = group.call("update_critic", batch)
         assert torch.isfinite(torch.tensor(metrics[0]["critic/vf_loss"]))
     finally:
         group.shutdown()
