@@ -191,3 +191,42 @@ def test_quickstart_vocabulary_is_the_tiny_tokenizers():
     # tools/make_tiny_model.py sizes the model's vocabulary to this tokenizer.
     tokenizer = pytest.importorskip("rlhf_megatron.data.tokenizer")
     assert len(tokenizer.build_tiny_tokenizer()) == load_config("quickstart_cpu", []).model_arch.vocab_size
+
+
+def _leaves(value, prefix=""):
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, value
+
+
+def _same_value(a, b):
+    numbers = (int, float)
+    if isinstance(a, bool) or isinstance(b, bool) or not (isinstance(a, numbers) and isinstance(b, numbers)):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_states_only_what_differs(preset):
+    # The schema (or the `base` preset) is the source of truth: a preset line that restates the
+    # value the key has without it is noise that can drift from the default it copies.
+    from omegaconf import OmegaConf
+
+    from rlhf_megatron.config.schema import RunConfig
+
+    defaults = dict(_leaves(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=False)))
+    *bases, (_, own) = read_preset_layers(preset)
+    inherited = {}
+    for _, mapping in bases:
+        for key, value in _leaves(mapping):
+            for other in [k for k in inherited if k.startswith(key + ".") or key.startswith(k + ".")]:
+                del inherited[other]
+            inherited[key] = value
+    restated = []
+    for key, value in _leaves(own):
+        without = inherited[key] if key in inherited else defaults.get(key, object())
+        if _same_value(value, without):
+            restated.append(f"{key}: {value!r}")
+    assert not restated, f"{preset} restates the value these keys have without it: {restated}"
