@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhf_megatron.algorithms.utils import check_ndim, check_values_and_mask
+from rlhf_megatron.choices import RolloutIsLevel
 
 if TYPE_CHECKING:  # annotations only: config and data sit beside algorithms, not below it
     from rlhf_megatron.config.schema import RolloutCorrectionConfig
@@ -33,7 +34,7 @@ __all__ = [
     "compute_rollout_is_weights",
 ]
 
-ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_IS_LEVELS = RolloutIsLevel.values()  # algorithm.rollout_correction.rollout_is, null aside
 # Log-ratios are clamped before exp, as verl does: exp(20) ~ 4.9e8 stays finite in fp32 and is
 # far past any useful cap, so only the metrics of raw weights ever see the bound.
 LOG_RATIO_BOUND = 20.0

@@ -58,6 +58,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from rlhf_megatron.choices import Truncation
 from rlhf_megatron.config.schema import DataConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import (
@@ -84,7 +85,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DatasetFormatError", "RLHFDataset", "as_data_config", "collate_fn", "left_pad", "truncate_ids"]
 
-TRUNCATION_MODES = ("error", "left", "right", "middle")
+TRUNCATION_MODES = Truncation.values()  # data.truncation
 _LENGTH_BATCH_ROWS = 1024  # rows tokenized at a time when computing lengths for filtering
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_megatron.choices import OnError
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rewards.pool import Outcome, ScoringPool
 from rlhf_megatron.rewards.registry import default_compute_score
@@ -110,8 +111,9 @@ class RewardManager(RewardFn):
         timeout_s: float | None = None,
         num_workers: int = 0,
     ):
-        if on_error not in ("raise", "zero"):
-            raise ValueError(f"RewardManager: on_error must be 'raise' or 'zero', got {on_error!r}.")
+        if on_error not in OnError.values():
+            allowed = " or ".join(repr(v) for v in OnError.values())
+            raise ValueError(f"RewardManager: on_error must be {allowed}, got {on_error!r}.")
         if timeout_s is not None and num_workers <= 0:
             raise ValueError(
                 f"RewardManager: timeout_s={timeout_s} needs num_workers >= 1; a stuck reward function can only be "

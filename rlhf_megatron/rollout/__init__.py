@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_megatron.choices import RolloutName
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.rollout.base import UNFINISHED_KEY, RolloutEngine, RolloutSampling, assemble_rollout
 
-ROLLOUT_NAMES = ("vllm", "hf")
+ROLLOUT_NAMES = RolloutName.values()  # actor_rollout_ref.rollout.name
 
 __all__ = [
     "ROLLOUT_NAMES",

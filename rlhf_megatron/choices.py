@@ -1,0 +1,175 @@
+"""The closed sets of values that config keys take: one Enum per set, the only list of its values.
+
+Role: the schema types each closed-choice field with one of these (as megatron-core types
+``TransformerConfig``'s choices), so OmegaConf refuses any other value the moment a preset or an
+override sets it, and the loader reports it with the allowed values. Code elsewhere that needs
+the same set (the reward manager's ``on_error``, the rollout-correction levels, the dataset's
+truncation modes) reads it from here instead of keeping a copy.
+
+Every member's name is its value, and a member is a ``str`` that prints, formats, compares,
+hashes and JSON-encodes as that value: ``Device.cpu == "cpu"``, ``f"{Device.cpu}"`` is
+``cpu``, ``{"cpu": 1}[Device.cpu]`` is 1. Code that treats the values as strings keeps working
+on a loaded config. (``enum.StrEnum`` does this on Python 3.11 only; ``Choice`` does it on 3.10.)
+Names an extension can add to (advantage estimators, policy losses, KL estimators, loss
+aggregation modes, reward functions) are registries, not choices: see ``config/names.py``.
+
+Boundaries: the standard library only, and nothing from this package, so that every layer
+(``algorithms`` and ``platform`` included, which may not import ``config``) can use it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = [
+    "AttentionBackend",
+    "CheckpointContent",
+    "Choice",
+    "Device",
+    "Dtype",
+    "EngineMode",
+    "KLCtrlType",
+    "LoadFormat",
+    "NanPolicy",
+    "OnError",
+    "RecomputeGranularity",
+    "RecomputeMethod",
+    "RolloutIsLevel",
+    "RolloutMode",
+    "RolloutName",
+    "RouterReplayMode",
+    "TransformerImpl",
+    "Truncation",
+    "VERL_LOAD_FORMATS",
+    "VerifyCheckpoint",
+    "WarmupStyle",
+]
+
+
+class Choice(str, Enum):
+    """Base of the config's choices: a member is the string it names (see the module docstring)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        # As the plain string would print, so messages that quote a value (``{value!r}``) read
+        # the same whether it came from a loaded config or from a caller's literal.
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """The allowed values, in declaration order, as plain strings."""
+        return tuple(member.value for member in cls)
+
+
+def _choice(name: str, values: tuple[str, ...], doc: str) -> type[Choice]:
+    """A ``Choice`` whose members are ``values`` (the functional form: some values, such as
+    ``async`` and ``raise``, are Python keywords and cannot be class attributes)."""
+    cls = Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
+    cls.__doc__ = doc
+    return cls
+
+
+# ---------------------------------------------------------------------------------------- data
+Truncation = _choice(
+    "Truncation",
+    ("error", "left", "right", "middle"),
+    "``data.truncation``: what happens to a prompt over ``max_prompt_length``.",
+)
+
+# ------------------------------------------------------------------------------------- rollout
+RolloutName = _choice(
+    "RolloutName", ("vllm", "hf"), "``actor_rollout_ref.rollout.name``: the generation engine."
+)
+EngineMode = _choice(
+    "EngineMode",
+    ("sync", "async"),
+    "``actor_rollout_ref.rollout.mode``: offline engine driven per batch, or server-style engine.",
+)
+LoadFormat = _choice(
+    "LoadFormat",
+    ("hf", "sharded", "dummy_megatron", "dummy_hf", "dummy_dtensor", "dummy"),
+    "``actor_rollout_ref.rollout.load_format``: how actor weights reach vLLM (``VERL_LOAD_FORMATS``"
+    " are verl's spellings, which mean hf).",
+)
+VERL_LOAD_FORMATS: frozenset[str] = frozenset(
+    {LoadFormat.dummy_megatron, LoadFormat.dummy_hf, LoadFormat.dummy_dtensor, LoadFormat.dummy}
+)
+"""verl's ``load_format`` values, accepted and normalised to ``hf``."""
+
+# ---------------------------------------------------------------------------- models and optim
+Dtype = _choice(
+    "Dtype",
+    ("bfloat16", "float16", "float32"),
+    "``<role>.megatron.params_dtype`` and ``actor_rollout_ref.rollout.dtype``: a weight dtype.",
+)
+RecomputeGranularity = _choice(
+    "RecomputeGranularity",
+    ("selective", "full"),
+    "``<role>.megatron.recompute_granularity`` (null: keep every activation).",
+)
+RecomputeMethod = _choice(
+    "RecomputeMethod",
+    ("uniform", "block"),
+    "``<role>.megatron.recompute_method``, with full recomputation (null: uniform).",
+)
+TransformerImpl = _choice(
+    "TransformerImpl",
+    ("auto", "transformer_engine", "local"),
+    "``<role>.megatron.transformer_impl``: Megatron-LM's ``--transformer-impl``, or auto.",
+)
+AttentionBackend = _choice(
+    "AttentionBackend",
+    ("local", "sdpa"),
+    "``<role>.megatron.attention_backend``: the local layers' core attention.",
+)
+WarmupStyle = _choice(
+    "WarmupStyle", ("constant", "cosine"), "``<role>.optim.warmup_style``: the schedule after warmup."
+)
+CheckpointContent = _choice(
+    "CheckpointContent",
+    ("model", "optimizer", "extra", "hf_model"),
+    "An entry of ``<role>.checkpoint.contents``.",
+)
+RouterReplayMode = _choice(
+    "RouterReplayMode",
+    ("disabled", "R2", "R3", "auto"),
+    "``actor_rollout_ref.actor.router_replay.mode``: mixture-of-experts routing replay.",
+)
+
+# ----------------------------------------------------------------------------------- algorithm
+KLCtrlType = _choice(
+    "KLCtrlType",
+    ("fixed", "adaptive"),
+    "``algorithm.kl_ctrl.type``: the in-reward KL coefficient's controller.",
+)
+RolloutIsLevel = _choice(
+    "RolloutIsLevel",
+    ("token", "sequence"),
+    "``algorithm.rollout_correction.rollout_is``: the importance weights' granularity (null: off).",
+)
+
+# ----------------------------------------------------------------------------- reward, trainer
+OnError = _choice(
+    "OnError",
+    ("raise", "zero"),
+    "``reward.on_error``: a scorer failure stops training (raise) or scores 0 (zero).",
+)
+Device = _choice("Device", ("auto", "cuda", "cpu"), "``trainer.device``: the accelerator.")
+NanPolicy = _choice(
+    "NanPolicy", ("stop", "skip"), "``trainer.nan_policy``: what a step with non-finite gradients does."
+)
+VerifyCheckpoint = _choice(
+    "VerifyCheckpoint",
+    ("sha256", "size", "none"),
+    "``trainer.verify_checkpoint``: how a resume checks the checkpoint against its manifest.",
+)
+RolloutMode = _choice(
+    "RolloutMode",
+    ("sync", "one_step_off", "async"),
+    "``trainer.rollout_mode``: how generation and training interleave.",
+)
