@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from rlhf_megatron.choices import Dtype
+
 __all__ = ["EASYR1_DEFAULTS", "RULES", "is_easyr1", "translate_easyr1"]
 
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -128,7 +130,7 @@ def _skip_if_null(v: Any) -> Any:
     return SKIP if v is None else v
 
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPES = {"bf16": Dtype.bfloat16, "fp16": Dtype.float16, "fp32": Dtype.float32}
 _LOSS_AVG = {"token": "token-mean", "seq": "seq-mean-token-mean"}
 _LOSS_TYPE = {"default": "vanilla", "gspo": "gspo"}
 

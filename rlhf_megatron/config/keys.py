@@ -24,6 +24,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from rlhf_megatron.config.schema import RunConfig
@@ -75,6 +76,15 @@ class KeyInfo:
     open_dict: bool = False
     optional: bool = False
     section_type: type | None = None
+    choices: tuple[str, ...] | None = None
+    """A closed-choice key (an Enum field): the values it takes; for a list of choices, the
+    values each entry takes (``list_of_choices``)."""
+    list_of_choices: bool = False
+
+    def choices_text(self) -> str:
+        """The allowed values as a user types them, ``null`` first when the key is optional."""
+        shown = ("null", *self.choices) if self.optional and not self.list_of_choices else self.choices
+        return ", ".join(shown or ())
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:
@@ -85,11 +95,23 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _choices(tp: Any) -> tuple[tuple[str, ...] | None, bool]:
+    """``(values, is_list)`` of an Enum type or a list of one; ``(None, False)`` for other types."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and args and isinstance(args[0], type) and issubclass(args[0], Enum):
+        return tuple(m.value for m in args[0]), True
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return tuple(m.value for m in tp), False
+    return None, False
+
+
 def _type_name(tp: Any) -> str:
     if tp is Any:
         return "any"
     if isinstance(tp, type) and typing.get_origin(tp) is None:
         return tp.__name__
+    if typing.get_origin(tp) is list and typing.get_args(tp):
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
     return str(tp).replace("typing.", "")
 
 
@@ -111,7 +133,16 @@ def schema_keys(root: type = RunConfig) -> dict[str, KeyInfo]:
                 continue
             open_dict = typing.get_origin(tp) is dict
             name = _type_name(tp) + (" | None" if optional else "")
-            out[key] = KeyInfo(key, name, doc, open_dict=open_dict, optional=optional)
+            choices, is_list = _choices(tp)
+            out[key] = KeyInfo(
+                key,
+                name,
+                doc,
+                open_dict=open_dict,
+                optional=optional,
+                choices=choices,
+                list_of_choices=is_list,
+            )
 
     walk(root, "")
     return out

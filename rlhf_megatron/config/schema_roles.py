@@ -17,6 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_megatron.choices import (
+    AttentionBackend,
+    CheckpointContent,
+    Dtype,
+    EngineMode,
+    LoadFormat,
+    RecomputeGranularity,
+    RecomputeMethod,
+    RolloutName,
+    RouterReplayMode,
+    TransformerImpl,
+    WarmupStyle,
+)
+
 ACTOR_MEGATRON = "actor_rollout_ref.actor.megatron"
 
 
@@ -125,7 +139,7 @@ class OptimConfig:
     min_lr_ratio: float | None = None
     """Final LR as a fraction of ``lr`` for the cosine schedule; null means 0."""
 
-    warmup_style: str = "constant"
+    warmup_style: WarmupStyle = WarmupStyle.constant
     """Schedule after warmup: constant or cosine. ``lr_decay_style`` (Megatron) and
     ``lr_scheduler_type`` (newer verl) are accepted as other spellings of this key."""
 
@@ -187,28 +201,28 @@ class MegatronConfig:
     seed: int = 1
     """Seed of megatron-core's model-parallel RNG tracker (dropout, initialisation)."""
 
-    params_dtype: str = "bfloat16"
+    params_dtype: Dtype = Dtype.bfloat16
     """Dtype of the model weights: bfloat16, float16 or float32 (our extension; verl
     hard-codes bfloat16)."""
 
-    recompute_granularity: str | None = None
+    recompute_granularity: RecomputeGranularity | None = None
     """Activation recomputation: null (keep all activations), selective (recompute the core
     attention) or full (recompute whole layers)."""
 
-    recompute_method: str | None = None
+    recompute_method: RecomputeMethod | None = None
     """With full recomputation: uniform (checkpoint every ``recompute_num_layers`` layers) or
     block (recompute the first ``recompute_num_layers`` layers of each stage)."""
 
     recompute_num_layers: int | None = None
     """Layers per recomputation unit (uniform) or per stage (block); full granularity only."""
 
-    transformer_impl: str = "auto"
+    transformer_impl: TransformerImpl = TransformerImpl.auto
     """Megatron-LM's ``--transformer-impl``: transformer_engine (TE's fused layers and attention),
     local (megatron-core's own layers; its attention is unfused) or auto (transformer-engine on
     GPU when it is installed, else local). The memory planner reads auto as transformer_engine
     on GPU and local on CPU."""
 
-    attention_backend: str = "local"
+    attention_backend: AttentionBackend = AttentionBackend.local
     """The local layers' core attention: local (megatron-core's unfused ``DotProductAttention``)
     or sdpa (torch's fused ``scaled_dot_product_attention``: no score matrix kept for backward;
     on CPU, at ~1,100-token rows, log-prob passes ~3x and updates ~1.4x faster, no gain at a few
@@ -240,7 +254,13 @@ def _follow_actor_megatron(**overrides: Any) -> MegatronConfig:
 class CheckpointConfig:
     """``<role>.checkpoint``: what a checkpoint holds."""
 
-    contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    contents: list[CheckpointContent] = field(
+        default_factory=lambda: [
+            CheckpointContent.model,
+            CheckpointContent.optimizer,
+            CheckpointContent.extra,
+        ]
+    )
     """Any of model, optimizer, extra (RNG and scheduler state) and hf_model (an HF export)."""
 
 
@@ -256,7 +276,7 @@ class PolicyLossConfig:
 class RouterReplayConfig:
     """``actor_rollout_ref.actor.router_replay``: replay mixture-of-experts routing (verl's key)."""
 
-    mode: str = "disabled"
+    mode: RouterReplayMode = RouterReplayMode.disabled
     """disabled; R2: the update passes replay the experts the old-log-prob pass chose; R3: the
     old-log-prob and update passes replay the experts vLLM chose while sampling (GPU: vLLM
     reports routes only there); auto (what ``router_replay=true`` sets): R3 with a vLLM rollout
@@ -390,10 +410,10 @@ class ValSamplingConfig:
 class RolloutConfig:
     """``actor_rollout_ref.rollout``: response generation, colocated with the actor."""
 
-    name: str = "vllm"
+    name: RolloutName = RolloutName.vllm
     """Engine: vllm, or hf (transformers generate; slow, for debugging)."""
 
-    mode: str = "sync"
+    mode: EngineMode = EngineMode.sync
     """sync (offline LLM engine driven per batch) or async (server-style engine)."""
 
     temperature: float = 1.0
@@ -420,7 +440,7 @@ class RolloutConfig:
     response_length: int = "${data.max_response_length}"  # type: ignore[assignment]
     """Maximum generated tokens per response."""
 
-    dtype: str = "bfloat16"
+    dtype: Dtype = Dtype.bfloat16
     """Weight dtype inside vLLM; should match the actor's ``params_dtype``."""
 
     gpu_memory_utilization: float = 0.5
@@ -454,7 +474,7 @@ class RolloutConfig:
     disable_log_stats: bool = True
     """Silence vLLM's periodic throughput logs."""
 
-    load_format: str = "hf"
+    load_format: LoadFormat = LoadFormat.hf
     """How actor weights reach vLLM after every update. hf: full tensors with HF names,
     handed to vLLM's own loader (simplest, works everywhere). sharded: tensors already cut
     for each vLLM TP rank with vLLM's fused names, copied straight into its parameters

@@ -5,7 +5,8 @@ listing all violations. Each rule is a small function ``(ValidationContext) -> [
 so it can be read and tested on its own; a message names the keys and their values and
 says what to change. Rules that need the model architecture (heads, layers, position
 limit) use ``model_arch`` or ``<model.path>/config.json``; when neither exists they are
-skipped with a warning.
+skipped with a warning. Closed-choice values were checked as the config was loaded (their
+fields are Enums from ``rlhf_megatron.choices``).
 
 Boundaries: reads the config, never changes it (``normalize.py`` does that afterwards).
 """
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_megatron.config.arch import arch_for_role, read_hf_config
 from rlhf_megatron.config.errors import ConfigError
 from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
-from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS, KL_CTRL_TYPES, registry_names
+from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS, registry_names
 from rlhf_megatron.config.roles import (
     ACTOR_TRAIN_MICRO,
     CRITIC_TRAIN_MICRO,
@@ -78,34 +79,6 @@ class ValidationContext:
 
 Rule = Callable[[ValidationContext], list[str]]
 
-# key -> accepted values (None meaning null). Registry-backed names have their own rules.
-_MEGATRON_CHOICES = {
-    "params_dtype": ("bfloat16", "float16", "float32"),
-    "recompute_granularity": (None, "selective", "full"),
-    "recompute_method": (None, "uniform", "block"),
-    "transformer_impl": ("auto", "transformer_engine", "local"),
-    "attention_backend": ("local", "sdpa"),
-}
-ROUTER_REPLAY_MODES = ("disabled", "R2", "R3", "auto")
-ROLLOUT_MODES = ("sync", "one_step_off", "async")
-CHOICES: dict[str, tuple] = {
-    "data.truncation": ("error", "left", "right", "middle"),
-    f"{ROLLOUT}.name": ("vllm", "hf"),
-    f"{ROLLOUT}.mode": ("sync", "async"),
-    f"{ROLLOUT}.dtype": ("bfloat16", "float16", "float32"),
-    f"{ROLLOUT}.load_format": ("hf", "sharded", "dummy_megatron", "dummy_hf", "dummy_dtensor", "dummy"),
-    f"{ACTOR}.optim.warmup_style": ("constant", "cosine"),
-    "critic.optim.warmup_style": ("constant", "cosine"),
-    "reward.on_error": ("raise", "zero"),
-    "trainer.device": ("auto", "cuda", "cpu"),
-    f"{ACTOR}.router_replay.mode": ROUTER_REPLAY_MODES,
-    "trainer.nan_policy": ("stop", "skip"),
-    "trainer.verify_checkpoint": ("sha256", "size", "none"),
-    "trainer.rollout_mode": ROLLOUT_MODES,
-    **{f"{s}.megatron.{k}": v for s in ROLE_SECTIONS.values() for k, v in _MEGATRON_CHOICES.items()},
-}
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-ROLLOUT_IS_LEVELS = (None, "token", "sequence")
 # Engines whose batches carry ``rollout_log_probs`` (rollout/base.py ``assemble_rollout``).
 ENGINES_WITH_LOG_PROBS = ("vllm", "hf")
 
@@ -119,23 +92,6 @@ def check_strategy(ctx: ValidationContext) -> list[str]:
         if value != "megatron":
             out.append(
                 f"{section}.strategy={value!r}: this project trains with Megatron only; set it to megatron"
-            )
-    return out
-
-
-def check_choices(ctx: ValidationContext) -> list[str]:
-    """Enumerated string keys hold one of their allowed values."""
-    out = []
-    for key, allowed in CHOICES.items():
-        value = ctx.get(key)
-        if value not in allowed:
-            shown = ", ".join("null" if a is None else a for a in allowed)
-            out.append(f"{key}={value!r} is not one of: {shown}")
-    for section in (ACTOR, "critic"):
-        bad = [c for c in ctx.get(f"{section}.checkpoint.contents") if c not in CHECKPOINT_CONTENTS]
-        if bad:
-            out.append(
-                f"{section}.checkpoint.contents has {bad}; allowed entries: {', '.join(CHECKPOINT_CONTENTS)}"
             )
     return out
 
@@ -213,16 +169,13 @@ def check_adv_estimator(ctx: ValidationContext) -> list[str]:
 
 
 def check_kl_names(ctx: ValidationContext) -> list[str]:
-    """KL estimator names (in-reward penalty and loss term) and the controller type exist."""
+    """KL estimator names (in-reward penalty and loss term) exist."""
     known = registry_names("kl_penalty")
     out = []
     for key in ("algorithm.kl_penalty", f"{ACTOR}.kl_loss_type"):
         value = ctx.get(key)
         if value not in known:
             out.append(f"{key}={value!r} is not a KL estimator; known: {', '.join(known)}")
-    kl_type = ctx.get("algorithm.kl_ctrl.type")
-    if kl_type not in KL_CTRL_TYPES:
-        out.append(f"algorithm.kl_ctrl.type={kl_type!r} is not one of: {', '.join(KL_CTRL_TYPES)}")
     return out
 
 
@@ -255,15 +208,11 @@ def check_clip_ratio_c(ctx: ValidationContext) -> list[str]:
 
 
 def check_rollout_correction(ctx: ValidationContext) -> list[str]:
-    """``algorithm.rollout_correction``: a known weight granularity, a positive cap, and a rollout
+    """``algorithm.rollout_correction``: a positive cap, and a rollout
     engine that reports the log-probs the weights are computed from."""
     key = "algorithm.rollout_correction"
     level, threshold = ctx.get(f"{key}.rollout_is"), ctx.get(f"{key}.rollout_is_threshold")
     out = []
-    if level not in ROLLOUT_IS_LEVELS:
-        out.append(
-            f"{key}.rollout_is={level!r} is not one of: null, token, sequence (null turns the correction off)"
-        )
     if not threshold > 0:
         out.append(
             f"{key}.rollout_is_threshold={threshold} must be > 0: it caps every importance weight; "
@@ -817,8 +766,6 @@ def check_routing_replay(
     mode: str, is_moe: bool, recompute_granularity: str | None, cp: int, where: str
 ) -> None:
     """Refuse routing replay (``models.routing_replay``) where it cannot work; ``where`` names the key."""
-    if mode not in ROUTER_REPLAY_MODES:
-        raise ValueError(f"{where}.mode={mode!r} is not one of {ROUTER_REPLAY_MODES}")
     if mode == "disabled":
         return
     if not is_moe:
@@ -836,7 +783,7 @@ def check_router_replay(ctx: ValidationContext) -> list[str]:
     """Routing replay needs experts, no full recomputation, no context parallelism, and (R3) vLLM."""
     key = f"{ACTOR}.router_replay"
     mode = ctx.get(f"{key}.mode")
-    if mode not in ROUTER_REPLAY_MODES or mode == "disabled":
+    if mode == "disabled":
         return []
     arch, source = ctx.archs["actor"]
     m = megatron_section(ctx.cfg, "actor")
@@ -863,7 +810,6 @@ def check_router_replay(ctx: ValidationContext) -> list[str]:
 
 RULES: tuple[Rule, ...] = (
     check_strategy,
-    check_choices,
     check_data_files,
     check_resume_mode,
     check_positive,

@@ -216,7 +216,9 @@ def test_preset_states_only_what_differs(preset):
 
     from rlhf_megatron.config.schema import RunConfig
 
-    defaults = dict(_leaves(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=False)))
+    defaults = dict(
+        _leaves(OmegaConf.to_container(OmegaConf.structured(RunConfig), resolve=False, enum_to_str=True))
+    )
     *bases, (_, own) = read_preset_layers(preset)
     inherited = {}
     for _, mapping in bases:
