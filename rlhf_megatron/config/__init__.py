@@ -1,13 +1,15 @@
 """Configuration of a training run: typed schema, presets, overrides, validation, memory plan.
 
 Role: the one place a run's settings come from. ``load_config(file, overrides)`` layers the
-schema defaults (``schema.py``, ``schema_roles.py``), a YAML preset from ``configs/``
-(``presets.py``) and verl-style dotted overrides (``loader.py``), then checks every
-cross-field rule (``validate.py``) and fills in derived values (``normalize.py``).
+schema defaults (``schema.py``, ``schema_roles.py``, ``schema_model.py``; closed choices are
+Enums from ``rlhf_megatron.choices``), a YAML preset from ``configs/`` (``presets.py``) and
+verl-style dotted overrides (``loader.py``), then checks each section's own rules (its
+``validate`` method) and the rules across sections (``validate*.py``) and fills in derived
+values (``normalize.py``).
 ``planner.py`` estimates per-GPU memory for ``rlhf-megatron plan``.
 
-Boundaries: imports only the standard library, omegaconf and yaml (plus, lazily, the
-algorithm registries for valid names). Nothing here starts processes or touches devices.
+Boundaries: imports only the standard library, omegaconf, yaml and ``rlhf_megatron.choices``
+(plus, lazily, the algorithm registries for valid names). Nothing here starts processes or touches devices.
 """
 
 from rlhf_megatron.config.errors import ConfigError

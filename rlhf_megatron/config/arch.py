@@ -38,8 +38,9 @@ def read_hf_config(model_path: str | None) -> dict[str, Any] | None:
         return json.load(fh)
 
 
-def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArch | None, str]:
+def arch_for_role(cfg: DictConfig | Any, role: str) -> tuple[ModelArch | None, str]:
     """Architecture of ``role`` (actor, ref, critic or reward_model) and where it came from.
+    ``cfg``: the loaded DictConfig or the typed ``RunConfig``.
 
     ``model_arch`` describes ``actor_rollout_ref.model``, so it serves the actor, the
     reference and a critic that starts from the same path. A critic on another path, and
@@ -56,7 +57,8 @@ def arch_for_role(cfg: DictConfig, role: str) -> tuple[ModelArch | None, str]:
     }[role]
     head = _ROLE_HEADS[role]
     if cfg.model_arch is not None and path == actor_path:
-        hf = OmegaConf.to_container(cfg.model_arch, resolve=True)
+        described = cfg.model_arch
+        hf = OmegaConf.to_container(described, resolve=True) if OmegaConf.is_config(described) else described
         return ModelArch.from_hf_config(hf, head=head, source="model_arch"), "model_arch"
     hf = read_hf_config(path)
     if hf is not None:

@@ -6,14 +6,20 @@ the estimator registry), the world size (and the rollout pool's, when disaggrega
 role's data-parallel size, and the micro-batch key pairs (verl's global ``*micro_batch_size``
 and ``*micro_batch_size_per_gpu``) with the rule that turns one into the other.
 
+Every function here reads a resolved config either as the ``DictConfig`` the loader returns or
+as the typed ``RunConfig`` (``OmegaConf.to_object``) that validation reads: both are read by
+attribute.
+
 Boundaries: reads a resolved config; never changes it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 __all__ = [
     "ACTOR_TRAIN_MICRO",
@@ -23,6 +29,7 @@ __all__ = [
     "MicroBatchSpec",
     "RolePlan",
     "active_roles",
+    "at",
     "estimator_needs_critic",
     "data_parallel_size",
     "megatron_section",
@@ -40,6 +47,11 @@ ROLE_SECTIONS: dict[str, str] = {
     "critic": "critic",
     "reward_model": "reward_model",
 }
+
+
+def at(cfg: Any, key: str) -> Any:
+    """The value under dotted ``key`` of a DictConfig or of the typed ``RunConfig``."""
+    return reduce(getattr, key.split("."), cfg)
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ def estimator_needs_critic(name: str) -> bool:
         return name == "gae"
 
 
-def role_plan(cfg: DictConfig) -> RolePlan:
+def role_plan(cfg: DictConfig | Any) -> RolePlan:
     """The ``RolePlan`` of a resolved config."""
     return RolePlan(
         critic=estimator_needs_critic(cfg.algorithm.adv_estimator),
@@ -85,12 +97,12 @@ def role_plan(cfg: DictConfig) -> RolePlan:
     )
 
 
-def active_roles(cfg: DictConfig) -> list[str]:
+def active_roles(cfg: DictConfig | Any) -> list[str]:
     """Roles this run builds, in the order they are described."""
     return role_plan(cfg).roles
 
 
-def world_size(cfg: DictConfig, override: int | None = None) -> int:
+def world_size(cfg: DictConfig | Any, override: int | None = None) -> int:
     """The trainer's processes: ``override`` if given, else trainer.nnodes x n_gpus_per_node.
     Every model role runs on all of them, and so does the rollout unless
     ``actor_rollout_ref.hybrid_engine`` is false (then see ``rollout_world_size``)."""
@@ -99,27 +111,28 @@ def world_size(cfg: DictConfig, override: int | None = None) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
-def rollout_world_size(cfg: DictConfig, override: int | None = None) -> int:
+def rollout_world_size(cfg: DictConfig | Any, override: int | None = None) -> int:
     """Processes that run the rollout engines: the rollout's own pool when
     ``actor_rollout_ref.hybrid_engine`` is false (rollout.nnodes x rollout.n_gpus_per_node),
     else the trainer's world (``world_size``; ``override`` replaces only that one)."""
-    if OmegaConf.select(cfg, "actor_rollout_ref.hybrid_engine", default=True):
+    if getattr(cfg.actor_rollout_ref, "hybrid_engine", True):
         return world_size(cfg, override)
     rollout = cfg.actor_rollout_ref.rollout
     return rollout.nnodes * rollout.n_gpus_per_node
 
 
-def megatron_section(cfg: DictConfig, role: str) -> DictConfig:
-    return OmegaConf.select(cfg, f"{ROLE_SECTIONS[role]}.megatron")
+def megatron_section(cfg: DictConfig | Any, role: str) -> Any:
+    """``<role section>.megatron``: a DictConfig or a ``MegatronConfig``, as ``cfg`` is."""
+    return at(cfg, f"{ROLE_SECTIONS[role]}.megatron")
 
 
-def model_parallel_size(cfg: DictConfig, role: str) -> int:
+def model_parallel_size(cfg: DictConfig | Any, role: str) -> int:
     """TP x PP x CP of a role: the GPUs holding one model replica."""
     m = megatron_section(cfg, role)
     return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
 
 
-def data_parallel_size(cfg: DictConfig, role: str, world: int) -> int | None:
+def data_parallel_size(cfg: DictConfig | Any, role: str, world: int) -> int | None:
     """world / (TP x PP x CP), or None when that does not divide (validation reports it)."""
     mp = model_parallel_size(cfg, role)
     if mp <= 0 or world % mp:
@@ -179,12 +192,14 @@ MICRO_BATCH_SPECS: tuple[MicroBatchSpec, ...] = (
 )
 
 
-def per_gpu_micro_batch(cfg: DictConfig, spec: MicroBatchSpec, dp: int) -> tuple[int | None, str | None]:
+def per_gpu_micro_batch(
+    cfg: DictConfig | Any, spec: MicroBatchSpec, dp: int
+) -> tuple[int | None, str | None]:
     """``(per_gpu_value, problem)`` for one key pair, as verl normalises it: the per-GPU key
     wins; a global value is divided by the DP size and must divide evenly. Both set is
     accepted when they agree (a saved resolved config has both)."""
-    global_value = OmegaConf.select(cfg, spec.global_key)
-    per_gpu = OmegaConf.select(cfg, spec.per_gpu_key)
+    global_value = at(cfg, spec.global_key)
+    per_gpu = at(cfg, spec.per_gpu_key)
     if global_value is None:
         return per_gpu, None
     if global_value % dp:

@@ -9,15 +9,18 @@ verl's, so a verl command line parses unchanged; our extensions (``reward``,
 The role sections (actor, rollout, reference, critic, reward model) are in
 ``schema_roles.py``; this module holds the run-level sections and the root ``RunConfig``.
 
-Closed-choice fields are typed with the Enums of ``rlhf_megatron.choices``, so OmegaConf
-refuses other values as they are set.
+Each section checks its own values in ``validate(key)`` (one message per problem, naming the
+full dotted key; ``key`` is where the section sits), as verl's ``CriticConfig.validate`` does;
+``RunConfig.validate`` runs every section's. Closed-choice fields are typed with the Enums of
+``rlhf_megatron.choices``, so OmegaConf refuses other values as they are set.
 
-Boundaries: no logic beyond declarations. Validation is ``validate.py``; derived values
-(per-GPU micro-batches) are ``normalize.py``.
+Boundaries: declarations and per-section rules only. Rules relating several sections are in
+``validate*.py``; derived values (per-GPU micro-batches) are ``normalize.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,8 @@ from rlhf_megatron.choices import (
     Truncation,
     VerifyCheckpoint,
 )
+from rlhf_megatron.config.checks import count_problems, name_problem
+from rlhf_megatron.config.roles import active_roles
 from rlhf_megatron.config.schema_roles import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -172,6 +177,24 @@ class DataConfig:
     custom_cls: CustomClassConfig = field(default_factory=CustomClassConfig)
     """Optional user dataset class."""
 
+    def validate(self, key: str = "data") -> list[str]:
+        """Data files are a path or a non-empty list of paths; batch and length counts >= 1."""
+        out = []
+        for name in ("train_files", "val_files"):
+            value = getattr(self, name)
+            paths = isinstance(value, Sequence) and not isinstance(value, str)
+            if not (isinstance(value, str) or (paths and value and all(isinstance(v, str) for v in value))):
+                out.append(f"{key}.{name}={value!r}: expected a parquet path or a non-empty list of paths")
+        return out + count_problems(
+            key,
+            {
+                "train_batch_size": self.train_batch_size,
+                "max_prompt_length": self.max_prompt_length,
+                "max_response_length": self.max_response_length,
+            },
+            {"val_batch_size": self.val_batch_size},
+        )
+
 
 @dataclass
 class CustomRewardFunctionConfig:
@@ -252,6 +275,23 @@ class RolloutCorrectionConfig:
     ``rollout_is`` has nothing to correct then (refused), nor is there a pass for
     ``router_replay.mode=R2`` to record routes in (refused)."""
 
+    def validate(self, key: str = "algorithm.rollout_correction") -> list[str]:
+        """A positive cap, and no weights to compute in bypass mode. (Whether the rollout engine
+        returns the log-probs the weights need is a cross-section rule, ``validate.py``.)"""
+        out = []
+        if not self.rollout_is_threshold > 0:
+            out.append(
+                f"{key}.rollout_is_threshold={self.rollout_is_threshold} must be > 0: it caps every "
+                "importance weight; set it to e.g. 2.0 (verl's default)"
+            )
+        if self.bypass_mode and self.rollout_is is not None:
+            out.append(
+                f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+                f"{key}.rollout_is={self.rollout_is} would weight every token by exp(0) = 1; set "
+                "rollout_is=null with bypass_mode, or bypass_mode=false to correct rollout -> actor"
+            )
+        return out
+
 
 @dataclass
 class AlgorithmConfig:
@@ -281,6 +321,14 @@ class AlgorithmConfig:
 
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights rollout -> actor policy (off by default)."""
+
+    def validate(self, key: str = "algorithm") -> list[str]:
+        """Registered estimator names, and the rollout correction's own rules."""
+        out = name_problem(
+            f"{key}.adv_estimator", self.adv_estimator, "adv_estimator", "a registered estimator", sort=True
+        )
+        out += name_problem(f"{key}.kl_penalty", self.kl_penalty, "kl_penalty", "a KL estimator")
+        return out + self.rollout_correction.validate(f"{key}.rollout_correction")
 
 
 @dataclass
@@ -402,6 +450,49 @@ class TrainerConfig:
     """Memory per accelerator in GiB, as nvidia-smi reports it; used by ``rlhf-megatron plan``
     (our extension)."""
 
+    def validate(self, key: str = "trainer") -> list[str]:
+        """A known resume mode, cluster and epoch counts >= 1, and a staleness bound and partial
+        rollout that fit ``rollout_mode``."""
+        out = _resume_mode_problems(key, self.resume_mode, self.resume_from_path)
+        out += count_problems(
+            key,
+            {
+                "nnodes": self.nnodes,
+                "n_gpus_per_node": self.n_gpus_per_node,
+                "total_epochs": self.total_epochs,
+            },
+        )
+        mode, staleness = self.rollout_mode, self.max_staleness
+        if not isinstance(staleness, int) or staleness < 0:
+            out.append(
+                f"{key}.max_staleness={staleness} must be an integer >= 0 (weight versions a sample may lag)"
+            )
+        elif mode == "async" and staleness < 1:
+            out.append(
+                f"{key}.rollout_mode=async with {key}.max_staleness=0 never generates ahead; set "
+                f"max_staleness >= 1, or use {key}.rollout_mode=sync"
+            )
+        if self.partial_rollout and mode not in ("one_step_off", "async"):
+            out.append(
+                f"{key}.partial_rollout=true interrupts generations that run beside training, but "
+                f"{key}.rollout_mode={mode} generates only between updates; use one_step_off or async, "
+                f"or set {key}.partial_rollout=false"
+            )
+        return out
+
+
+def _resume_mode_problems(key: str, mode: str, resume_from_path: str | None) -> list[str]:
+    """``resume_mode`` is auto, disable, resume_path (with ``resume_from_path``) or a path."""
+    if mode in ("auto", "disable") or (mode != "resume_path" and "/" in mode):
+        return []
+    if mode == "resume_path":
+        if resume_from_path:
+            return []
+        return [f"{key}.resume_mode=resume_path needs {key}.resume_from_path=<checkpoint dir>"]
+    return [
+        f"{key}.resume_mode={mode!r}: use auto, disable, resume_path, or a checkpoint path containing '/'"
+    ]
+
 
 @dataclass
 class RayInitConfig:
@@ -447,3 +538,14 @@ class RunConfig:
     architecture: ``architectures``, ``model_type``, ``num_hidden_layers``, ``hidden_size``, ...).
     Presets carry it so validation and ``rlhf-megatron plan`` need neither a hub nor the
     checkpoint; null reads ``<model.path>/config.json`` (our extension)."""
+
+    def validate(self, roles: Collection[str] | None = None) -> list[str]:
+        """Every section's own rules, one message per problem. ``roles``: the model roles the run
+        builds (``roles.active_roles``, the default), whose strategy and layout are checked."""
+        roles = active_roles(self) if roles is None else roles
+        out = self.data.validate("data")
+        out += self.actor_rollout_ref.validate("actor_rollout_ref", ref_built="ref" in roles)
+        out += self.critic.validate("critic", built="critic" in roles)
+        out += self.reward_model.validate("reward_model", built="reward_model" in roles)
+        out += self.algorithm.validate("algorithm")
+        return out + self.trainer.validate("trainer")

@@ -4,12 +4,17 @@ Role: the dataclasses behind ``actor_rollout_ref.*``, ``critic.*`` and ``reward_
 Key names and defaults are verl's (``ppo_trainer.yaml`` / ``ppo_megatron_trainer.yaml``)
 unless a field's docstring says otherwise. Every field carries an attribute docstring
 (the string literal right below it); ``keys.field_docs`` reads them and a test checks that
-none is missing.
+none is missing. What every role is built from (model, optimizer, ``megatron`` layout,
+checkpoint contents) is in ``schema_model.py``.
 
-Boundaries: declarations only. Cross-field rules live in ``validate.py``; values derived
-from the world size (per-GPU micro-batches) are filled in by ``normalize.py``. Some
-defaults are OmegaConf interpolations (``"${...}"``) so a role follows another unless it is
-set; ``loader.load_config`` resolves them.
+Each section checks its own values in ``validate(key, ...)`` (one message per problem, naming
+the full dotted key; ``key`` is where the section sits). Rules that relate several sections
+are in ``validate*.py``.
+
+Boundaries: declarations and per-section rules only; values derived from the world size
+(per-GPU micro-batches) are filled in by ``normalize.py``. Some defaults are OmegaConf
+interpolations (``"${...}"``) so a role follows another unless it is set;
+``loader.load_config`` resolves them.
 """
 
 from __future__ import annotations
@@ -17,251 +22,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_megatron.choices import (
-    AttentionBackend,
-    CheckpointContent,
-    Dtype,
-    EngineMode,
-    LoadFormat,
-    RecomputeGranularity,
-    RecomputeMethod,
-    RolloutName,
-    RouterReplayMode,
-    TransformerImpl,
-    WarmupStyle,
+from rlhf_megatron.choices import Dtype, EngineMode, LoadFormat, RolloutName, RouterReplayMode
+from rlhf_megatron.config.checks import count_problems, name_problem, strategy_problem
+from rlhf_megatron.config.schema_model import (
+    ACTOR_MEGATRON,
+    CheckpointConfig,
+    CriticModelConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardModelModelConfig,
+    follow_actor_megatron,
 )
 
-ACTOR_MEGATRON = "actor_rollout_ref.actor.megatron"
-
-
-@dataclass
-class ModelConfig:
-    """``actor_rollout_ref.model``: the HF checkpoint the actor, rollout and reference start from."""
-
-    path: str = "~/models/deepseek-llm-7b-chat"
-    """Hugging Face model directory (local path). Its ``config.json`` gives the architecture
-    when ``model_arch`` is not set."""
-
-    tokenizer_path: str | None = None
-    """Tokenizer directory; null uses ``path``."""
-
-    external_lib: str | None = None
-    """Python module imported before the model is built, to register custom HF classes."""
-
-    override_config: dict[str, Any] = field(default_factory=dict)
-    """Entries that override the HF config (e.g. ``attention_dropout``); free-form keys."""
-
-    enable_gradient_checkpointing: bool = False
-    """verl's switch for activation recomputation. With Megatron it means full, uniform
-    recomputation of every layer when ``<role>.megatron.recompute_granularity`` is null."""
-
-    use_remove_padding: bool = False
-    """verl's switch for packing sequences without padding (THD layout). Accepted for verl's
-    command lines and not used: the Megatron passes cut each micro-batch's padding columns
-    themselves, or pack it per prompt (``shared_prompt_packing``)."""
-
-    shared_prompt_packing: bool | None = None
-    """Forward passes over responses (old/reference log-probs, values, updates) put each prompt
-    once in a row, followed by every response to it that the micro-batch holds: the responses
-    attend to the prompt and to themselves only (an arbitrary attention mask), and restart their
-    positions after it. A prompt's tokens are computed once instead of ``n`` times and no
-    padding sits between responses; outputs and gradients are the unpacked rows', up to float
-    rounding (``rlhf_megatron.data.packing``). The driver then balances whole prompt groups over
-    the data-parallel ranks, so a group stays in one micro-batch. Dense text models without
-    context parallelism only (others run unpacked). null: on with ``trainer.device=cpu``, off
-    otherwise: the mask is dense, so its cost grows with the square of a packed row's width
-    (prompt + all its responses), which long GPU responses make prohibitive."""
-
-    trust_remote_code: bool = False
-    """Allow code from the model directory when loading the HF config and tokenizer."""
-
-    freeze_vision_tower: bool = False
-    """Vision-language models: keep the vision tower (patch embedding, blocks, merger) fixed:
-    it gets no gradients and no optimizer state (EasyR1's
-    ``worker.actor.model.freeze_vision_tower``). Text-only models ignore it."""
-
-
-@dataclass
-class CriticModelConfig(ModelConfig):
-    """``critic.model``: the value model. Paths follow the actor's unless set."""
-
-    path: str = "${actor_rollout_ref.model.path}"
-    """HF checkpoint the critic starts from (a value head replaces the LM head). Defaults to
-    the actor's model (verl's default is a placeholder path)."""
-
-    tokenizer_path: str | None = "${actor_rollout_ref.model.path}"
-    """Tokenizer directory; verl's default, the actor's model path."""
-
-    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
-    """Module imported before the critic is built; defaults to the actor's."""
-
-    trust_remote_code: bool = "${actor_rollout_ref.model.trust_remote_code}"  # type: ignore[assignment]
-    """Allow code from the critic's model directory; defaults to the actor's setting."""
-
-
-@dataclass
-class RewardModelModelConfig:
-    """``reward_model.model``: the sequence-classification reward model."""
-
-    path: str = "~/models/FsfairX-LLaMA3-RM-v0.1"
-    """HF checkpoint of the reward model (AutoModelForSequenceClassification layout)."""
-
-    input_tokenizer: str | None = "${actor_rollout_ref.model.path}"
-    """Tokenizer of the policy, used to decode responses before applying the reward model's
-    chat template; null when both chat templates are the same."""
-
-    external_lib: str | None = "${actor_rollout_ref.model.external_lib}"
-    """Module imported before the reward model is built."""
-
-    trust_remote_code: bool = False
-    """Allow code from the reward model's directory."""
-
-    override_config: dict[str, Any] = field(default_factory=dict)
-    """Entries that override the reward model's HF config; free-form keys."""
-
-    use_remove_padding: bool = False
-    """Pack sequences without padding in the reward model's forward pass."""
-
-
-@dataclass
-class OptimConfig:
-    """``<role>.optim``: Adam with warmup and a constant or cosine schedule (Megatron's optimizer)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-
-    lr_warmup_steps: int = -1
-    """Linear warmup steps; a negative value defers to ``lr_warmup_steps_ratio``."""
-
-    lr_warmup_steps_ratio: float = 0.0
-    """Warmup as a fraction of ``total_training_steps`` (used when ``lr_warmup_steps`` < 0)."""
-
-    min_lr_ratio: float | None = None
-    """Final LR as a fraction of ``lr`` for the cosine schedule; null means 0."""
-
-    warmup_style: WarmupStyle = WarmupStyle.constant
-    """Schedule after warmup: constant or cosine. ``lr_decay_style`` (Megatron) and
-    ``lr_scheduler_type`` (newer verl) are accepted as other spellings of this key."""
-
-    weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay."""
-
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Adam beta1 and beta2."""
-
-    clip_grad: float = 1.0
-    """Global gradient-norm clip. verl's FSDP spelling ``<role>.grad_clip`` sets this key."""
-
-    total_training_steps: int = -1
-    """Steps the schedule spans; -1 lets the trainer fill it in from the data and epochs."""
-
-
-@dataclass
-class MegatronConfig:
-    """``<role>.megatron``: how megatron-core lays one role's model out over the GPUs."""
-
-    tensor_model_parallel_size: int = 1
-    """Tensor parallel size (TP): splits every layer's matrices over this many GPUs."""
-
-    pipeline_model_parallel_size: int = 1
-    """Pipeline parallel size (PP): splits the layers into this many stages."""
-
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline stage for the interleaved 1F1B schedule; null disables it."""
-
-    context_parallel_size: int = 1
-    """Context parallel size (CP): splits every sequence over this many GPUs in attention."""
-
-    expert_model_parallel_size: int = 1
-    """Expert parallel size (EP) of a mixture-of-experts model: each GPU of an EP group holds
-    ``num_experts / EP`` of every sparse layer's experts, and tokens travel to their experts by
-    all-to-all. Must divide the number of experts; ``ETP x EP x PP`` must divide the world size.
-    1 for dense models."""
-
-    expert_tensor_parallel_size: int | None = None
-    """Expert tensor parallel size (ETP): splits each expert's matrices over this many GPUs;
-    null means the TP size (megatron's default). Must divide ``moe_intermediate_size``."""
-
-    sequence_parallel: bool = True
-    """Shard norm/dropout activations along the sequence over the TP group (switched off
-    when TP is 1, as verl does)."""
-
-    use_distributed_optimizer: bool = True
-    """Shard fp32 master weights and Adam states over the data-parallel group (ZeRO-1)."""
-
-    param_offload: bool = False
-    """Move this role's parameters to CPU memory while other roles run."""
-
-    grad_offload: bool = False
-    """Move this role's gradient buffers to CPU memory while other roles run."""
-
-    optimizer_offload: bool = False
-    """Move this role's optimizer states to CPU memory while other roles run."""
-
-    seed: int = 1
-    """Seed of megatron-core's model-parallel RNG tracker (dropout, initialisation)."""
-
-    params_dtype: Dtype = Dtype.bfloat16
-    """Dtype of the model weights: bfloat16, float16 or float32 (our extension; verl
-    hard-codes bfloat16)."""
-
-    recompute_granularity: RecomputeGranularity | None = None
-    """Activation recomputation: null (keep all activations), selective (recompute the core
-    attention) or full (recompute whole layers)."""
-
-    recompute_method: RecomputeMethod | None = None
-    """With full recomputation: uniform (checkpoint every ``recompute_num_layers`` layers) or
-    block (recompute the first ``recompute_num_layers`` layers of each stage)."""
-
-    recompute_num_layers: int | None = None
-    """Layers per recomputation unit (uniform) or per stage (block); full granularity only."""
-
-    transformer_impl: TransformerImpl = TransformerImpl.auto
-    """Megatron-LM's ``--transformer-impl``: transformer_engine (TE's fused layers and attention),
-    local (megatron-core's own layers; its attention is unfused) or auto (transformer-engine on
-    GPU when it is installed, else local). The memory planner reads auto as transformer_engine
-    on GPU and local on CPU."""
-
-    attention_backend: AttentionBackend = AttentionBackend.local
-    """The local layers' core attention: local (megatron-core's unfused ``DotProductAttention``)
-    or sdpa (torch's fused ``scaled_dot_product_attention``: no score matrix kept for backward;
-    on CPU, at ~1,100-token rows, log-prob passes ~3x and updates ~1.4x faster, no gain at a few
-    dozen tokens; see the README's *Step time*). Transformer-engine layers use TE's attention, so
-    sdpa needs transformer_impl=local (or auto without TE)."""
-
-
-def _follow_actor_megatron(**overrides: Any) -> MegatronConfig:
-    """A MegatronConfig whose layout keys interpolate the actor's, so a role that shares the
-    actor's architecture shares its layout unless told otherwise."""
-    layout = {
-        key: f"${{{ACTOR_MEGATRON}.{key}}}"
-        for key in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-            "sequence_parallel",
-            "params_dtype",
-        )
-    }
-    layout.update(overrides)
-    return MegatronConfig(**layout)
-
-
-@dataclass
-class CheckpointConfig:
-    """``<role>.checkpoint``: what a checkpoint holds."""
-
-    contents: list[CheckpointContent] = field(
-        default_factory=lambda: [
-            CheckpointContent.model,
-            CheckpointContent.optimizer,
-            CheckpointContent.extra,
-        ]
-    )
-    """Any of model, optimizer, extra (RNG and scheduler state) and hf_model (an HF export)."""
+__all__ = [
+    "ACTOR_MEGATRON",
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "CheckpointConfig",
+    "CriticConfig",
+    "CriticModelConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RewardModelModelConfig",
+    "RolloutConfig",
+    "RouterReplayConfig",
+    "ValSamplingConfig",
+]
 
 
 @dataclass
@@ -270,6 +61,12 @@ class PolicyLossConfig:
 
     loss_mode: str = "vanilla"
     """Name in the algorithms' policy-loss registry (vanilla = clipped PPO with dual clip)."""
+
+    def validate(self, key: str = "actor_rollout_ref.actor.policy_loss") -> list[str]:
+        """``loss_mode`` names a registered policy loss."""
+        return name_problem(
+            f"{key}.loss_mode", self.loss_mode, "policy_loss", "a registered policy loss", True
+        )
 
 
 @dataclass
@@ -359,6 +156,27 @@ class ActorConfig:
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """Mixture-of-experts routing replay (R2/R3)."""
 
+    def validate(self, key: str = "actor_rollout_ref.actor") -> list[str]:
+        """The actor's own rules: megatron strategy and layout, counts >= 1, a dual-clip bound
+        above 1, and registered loss, aggregation and KL names."""
+        out = strategy_problem(key, self.strategy)
+        out += count_problems(
+            key,
+            {"ppo_mini_batch_size": self.ppo_mini_batch_size, "ppo_epochs": self.ppo_epochs},
+            {
+                "ppo_micro_batch_size": self.ppo_micro_batch_size,
+                "ppo_micro_batch_size_per_gpu": self.ppo_micro_batch_size_per_gpu,
+            },
+        )
+        if not self.clip_ratio_c > 1.0:
+            out.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1.0 (verl's default is 3.0)")
+        out += name_problem(
+            f"{key}.loss_agg_mode", self.loss_agg_mode, "loss_agg_mode", "a loss aggregation mode"
+        )
+        out += name_problem(f"{key}.kl_loss_type", self.kl_loss_type, "kl_penalty", "a KL estimator")
+        out += self.policy_loss.validate(f"{key}.policy_loss")
+        return out + self.megatron.validate(f"{key}.megatron")
+
 
 @dataclass
 class RefConfig:
@@ -380,10 +198,24 @@ class RefConfig:
     """Token budget of one reference micro-batch when dynamic batching is on."""
 
     megatron: MegatronConfig = field(
-        default_factory=lambda: _follow_actor_megatron(use_distributed_optimizer=False)
+        default_factory=lambda: follow_actor_megatron(use_distributed_optimizer=False)
     )
     """Reference layout; TP/PP/VPP/CP/SP and dtype follow the actor's unless set, so the
     reference can be initialised shard-for-shard from the actor."""
+
+    def validate(self, key: str = "actor_rollout_ref.ref", built: bool = True) -> list[str]:
+        """Micro-batch sizes >= 1 (or null); strategy and layout when the run ``built`` the reference."""
+        out = count_problems(
+            key,
+            {},
+            {
+                "log_prob_micro_batch_size": self.log_prob_micro_batch_size,
+                "log_prob_micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
+            },
+        )
+        if built:
+            out = strategy_problem(key, self.strategy) + out + self.megatron.validate(f"{key}.megatron")
+        return out
 
 
 @dataclass
@@ -404,6 +236,23 @@ class ValSamplingConfig:
 
     do_sample: bool = False
     """Sample (True) or decode greedily (False)."""
+
+    def validate(self, key: str = "actor_rollout_ref.rollout.val_kwargs") -> list[str]:
+        """Sampling parameters in range (the rollout's own use the same bounds)."""
+        return _sampling_problems(key, self.temperature, self.top_p, self.top_k) + (
+            [f"{key}.n={self.n} must be >= 1"] if self.n < 1 else []
+        )
+
+
+def _sampling_problems(key: str, temperature: float, top_p: float, top_k: int) -> list[str]:
+    out = []
+    if temperature < 0:
+        out.append(f"{key}.temperature={temperature} must be >= 0")
+    if not 0 < top_p <= 1:
+        out.append(f"{key}.top_p={top_p} must be in (0, 1]")
+    if top_k < -1:
+        out.append(f"{key}.top_k={top_k} must be >= -1 (-1 disables top-k)")
+    return out
 
 
 @dataclass
@@ -516,6 +365,26 @@ class RolloutConfig:
     ``actor_rollout_ref.hybrid_engine`` is false. Its world size must be a multiple of
     ``tensor_model_parallel_size``: each TP group is one vLLM engine (a rollout DP replica)."""
 
+    def validate(self, key: str = "actor_rollout_ref.rollout") -> list[str]:
+        """Counts >= 1, sampling parameters and vLLM's memory fraction in range (validation's
+        sampling too)."""
+        out = count_problems(
+            key,
+            {"tensor_model_parallel_size": self.tensor_model_parallel_size, "n": self.n},
+            {
+                "max_model_len": self.max_model_len,
+                "log_prob_micro_batch_size": self.log_prob_micro_batch_size,
+                "log_prob_micro_batch_size_per_gpu": self.log_prob_micro_batch_size_per_gpu,
+            },
+        )
+        out += _sampling_problems(key, self.temperature, self.top_p, self.top_k)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(
+                f"{key}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1] "
+                "(a fraction of GPU memory)"
+            )
+        return out + self.val_kwargs.validate(f"{key}.val_kwargs")
+
 
 @dataclass
 class ActorRolloutRefConfig:
@@ -540,6 +409,29 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
 
+    def validate(self, key: str = "actor_rollout_ref", ref_built: bool = True) -> list[str]:
+        """The actor's, reference's (``ref_built``: the run builds it) and rollout's rules, and,
+        with the rollout on its own pool (``hybrid_engine=false``), that pool's size and a weight
+        format it can receive."""
+        out = self.actor.validate(f"{key}.actor") + self.ref.validate(f"{key}.ref", built=ref_built)
+        out += self.rollout.validate(f"{key}.rollout")
+        if self.hybrid_engine:
+            return out
+        rollout = f"{key}.rollout"
+        for name in ("nnodes", "n_gpus_per_node"):
+            value = getattr(self.rollout, name)
+            if not isinstance(value, int) or value < 1:
+                out.append(
+                    f"{rollout}.{name}={value} must be >= 1: the rollout's own pool "
+                    f"({key}.hybrid_engine=false)"
+                )
+        if self.rollout.load_format == "sharded":
+            out.append(
+                f"{rollout}.load_format=sharded needs the rollout in the actor's processes (each rank cuts "
+                f"its own vLLM shard); with {key}.hybrid_engine=false the trainer streams full tensors: use hf"
+            )
+        return out
+
 
 @dataclass
 class CriticConfig:
@@ -554,7 +446,7 @@ class CriticConfig:
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     """Critic checkpoint."""
 
-    megatron: MegatronConfig = field(default_factory=_follow_actor_megatron)
+    megatron: MegatronConfig = field(default_factory=follow_actor_megatron)
     """Critic layout and offload; TP/PP/VPP/CP/SP and dtype follow the actor's unless set."""
 
     ppo_mini_batch_size: int = "${actor_rollout_ref.actor.ppo_mini_batch_size}"  # type: ignore[assignment]
@@ -599,6 +491,26 @@ class CriticConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What critic checkpoints hold."""
 
+    def validate(self, key: str = "critic", built: bool = True) -> list[str]:
+        """Counts >= 1 and a known aggregation mode; strategy and layout when the run ``built``
+        the critic (the advantage estimator consumes values)."""
+        out = count_problems(
+            key,
+            {"ppo_mini_batch_size": self.ppo_mini_batch_size, "ppo_epochs": self.ppo_epochs},
+            {
+                "ppo_micro_batch_size": self.ppo_micro_batch_size,
+                "ppo_micro_batch_size_per_gpu": self.ppo_micro_batch_size_per_gpu,
+                "forward_micro_batch_size": self.forward_micro_batch_size,
+                "forward_micro_batch_size_per_gpu": self.forward_micro_batch_size_per_gpu,
+            },
+        )
+        out += name_problem(
+            f"{key}.loss_agg_mode", self.loss_agg_mode, "loss_agg_mode", "a loss aggregation mode"
+        )
+        if built:
+            out = strategy_problem(key, self.strategy) + out + self.megatron.validate(f"{key}.megatron")
+        return out
+
 
 @dataclass
 class RewardModelConfig:
@@ -633,3 +545,18 @@ class RewardModelConfig:
 
     reward_manager: str = "naive"
     """Reward manager that combines scores into token-level rewards (verl's names)."""
+
+    def validate(self, key: str = "reward_model", built: bool = True) -> list[str]:
+        """Micro-batch sizes >= 1 (or null); strategy and layout when the run ``built`` the reward
+        model (``enable``)."""
+        out = count_problems(
+            key,
+            {},
+            {
+                "micro_batch_size": self.micro_batch_size,
+                "micro_batch_size_per_gpu": self.micro_batch_size_per_gpu,
+            },
+        )
+        if built:
+            out = strategy_problem(key, self.strategy) + out + self.megatron.validate(f"{key}.megatron")
+        return out

@@ -1,4 +1,5 @@
-"""Validation rules: each rule is triggered on its own and its message is checked."""
+"""Validation rules: each section's own rules and each cross-section rule is triggered on its own
+and its message is checked. (Closed-choice values are refused by the loader: test_config_choices.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,18 @@ import pytest
 from cfg_helpers import MOE_ARCH, VALID, make_cfg, write_hf_config
 from omegaconf import OmegaConf
 
-from rlhf_megatron.config import ArchUnknownWarning, ConfigError, load_config, roles, validate_config
+from rlhf_megatron.config import (
+    ArchUnknownWarning,
+    ConfigError,
+    MegatronConfig,
+    RolloutConfig,
+    RunConfig,
+    load_config,
+    roles,
+    validate_config,
+)
 from rlhf_megatron.config import validate as V
+from rlhf_megatron.config.keys import schema_dataclasses
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -28,75 +39,143 @@ VL_ARCH = [
 ]
 
 
-# rule -> (overrides on top of the valid base config, substrings its message must contain)
-CASES = {
-    V.check_strategy: (
-        [f"{A}.strategy=fsdp"],
+# section key -> (overrides on top of the valid base config, substrings its messages must contain):
+# the rules each section checks itself (``<Section>.validate``, beside its fields in schema*.py).
+SECTION_CASES = {
+    "data": (
+        ["data.train_files=[]", "data.train_batch_size=0"],
         [
-            "actor_rollout_ref.actor.strategy='fsdp': this project trains with Megatron only; set it to megatron"
-        ],
-    ),
-    V.check_data_files: (
-        ["data.train_files=[]"],
-        ["data.train_files=[]: expected a parquet path or a non-empty list of paths"],
-    ),
-    V.check_rollout_placement: (
-        [
-            "trainer.rollout_mode=one_step_off",
-            "trainer.max_staleness=-1",
-        ],
-        [
-            "trainer.rollout_mode=one_step_off overlaps generation with training, which one set of processes "
-            "cannot do: set actor_rollout_ref.hybrid_engine=false",
-            "trainer.max_staleness=-1 must be an integer >= 0",
-        ],
-    ),
-    V.check_resume_mode: (
-        ["trainer.resume_mode=autp"],
-        ["trainer.resume_mode='autp': use auto, disable, resume_path, or a checkpoint path containing '/'"],
-    ),
-    V.check_positive: (
-        ["data.train_batch_size=0", f"{A}.megatron.tensor_model_parallel_size=0"],
-        [
+            "data.train_files=[]: expected a parquet path or a non-empty list of paths",
             "data.train_batch_size=0 must be >= 1",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0 must be >= 1",
         ],
     ),
-    V.check_adv_estimator: (
-        ["algorithm.adv_estimator=grpoo"],
+    "trainer": (
+        ["trainer.resume_mode=autp", "trainer.max_staleness=-1", "trainer.total_epochs=0"],
+        [
+            "trainer.resume_mode='autp': use auto, disable, resume_path, or a checkpoint path containing '/'",
+            "trainer.max_staleness=-1 must be an integer >= 0",
+            "trainer.total_epochs=0 must be >= 1",
+        ],
+    ),
+    "algorithm": (
+        ["algorithm.adv_estimator=grpoo", "algorithm.kl_penalty=k9"],
         [
             "algorithm.adv_estimator='grpoo' is not a registered estimator; known: gae, grpo, grpo_passk, "
-            "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"
-        ],
-    ),
-    V.check_kl_names: (
-        ["algorithm.kl_penalty=k9", f"{A}.kl_loss_type=lowvar"],
-        [
+            "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
             "algorithm.kl_penalty='k9' is not a KL estimator; known: kl, k1",
-            "actor_rollout_ref.actor.kl_loss_type='lowvar' is not a KL estimator",
         ],
     ),
-    V.check_loss_agg_mode: (
-        [f"{A}.loss_agg_mode=token-sum"],
-        [
-            "actor_rollout_ref.actor.loss_agg_mode='token-sum' is not a loss aggregation mode; known: token-mean",
-            # the critic follows the actor's mode through an interpolation
-            "critic.loss_agg_mode='token-sum' is not a loss aggregation mode",
-        ],
-    ),
-    V.check_policy_loss_mode: (
-        [f"{A}.policy_loss.loss_mode=ppo2"],
-        ["actor_rollout_ref.actor.policy_loss.loss_mode='ppo2' is not a registered policy loss; known: "],
-    ),
-    V.check_clip_ratio_c: (
-        [f"{A}.clip_ratio_c=0.5"],
-        ["actor_rollout_ref.actor.clip_ratio_c=0.5 must be > 1.0"],
-    ),
-    V.check_rollout_correction: (
-        [f"{RC}.rollout_is_threshold=0"],
+    RC: (
+        [f"{RC}.rollout_is_threshold=0", f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token"],
         [
             "algorithm.rollout_correction.rollout_is_threshold=0.0 must be > 0: it caps every importance "
             "weight; set it to e.g. 2.0",
+            "algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+            "algorithm.rollout_correction.rollout_is=token would weight every token by exp(0) = 1",
+        ],
+    ),
+    "actor_rollout_ref": (
+        ["actor_rollout_ref.hybrid_engine=false", f"{R}.nnodes=0", f"{R}.load_format=sharded"],
+        [
+            "actor_rollout_ref.rollout.nnodes=0 must be >= 1: the rollout's own pool "
+            "(actor_rollout_ref.hybrid_engine=false)",
+            "actor_rollout_ref.rollout.load_format=sharded needs the rollout in the actor's processes",
+        ],
+    ),
+    A: (
+        [
+            f"{A}.strategy=fsdp",
+            f"{A}.clip_ratio_c=0.5",
+            f"{A}.loss_agg_mode=token-sum",
+            f"{A}.kl_loss_type=lowvar",
+            f"{A}.ppo_mini_batch_size=0",
+        ],
+        [
+            "actor_rollout_ref.actor.strategy='fsdp': this project trains with Megatron only; set it to megatron",
+            "actor_rollout_ref.actor.clip_ratio_c=0.5 must be > 1.0",
+            "actor_rollout_ref.actor.loss_agg_mode='token-sum' is not a loss aggregation mode; known: token-mean",
+            "actor_rollout_ref.actor.kl_loss_type='lowvar' is not a KL estimator",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=0 must be >= 1",
+        ],
+    ),
+    f"{A}.policy_loss": (
+        [f"{A}.policy_loss.loss_mode=ppo2"],
+        ["actor_rollout_ref.actor.policy_loss.loss_mode='ppo2' is not a registered policy loss; known: "],
+    ),
+    f"{A}.megatron": (
+        [
+            f"{A}.megatron.tensor_model_parallel_size=0",
+            f"{A}.megatron.recompute_granularity=selective",
+            f"{A}.megatron.recompute_method=uniform",
+        ],
+        [
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0 must be >= 1",
+            "actor_rollout_ref.actor.megatron.recompute_method/recompute_num_layers apply to "
+            "recompute_granularity=full only (it is selective)",
+        ],
+    ),
+    "actor_rollout_ref.ref": (
+        [
+            f"{A}.use_kl_loss=True",
+            "actor_rollout_ref.ref.strategy=fsdp",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size=0",
+        ],
+        [
+            "actor_rollout_ref.ref.strategy='fsdp': this project trains with Megatron only",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size=0 must be >= 1 (or null)",
+        ],
+    ),
+    R: (
+        [
+            f"{R}.temperature=-0.1",
+            f"{R}.top_p=0",
+            f"{R}.top_k=-2",
+            f"{R}.gpu_memory_utilization=1.2",
+            f"{R}.n=0",
+        ],
+        [
+            "actor_rollout_ref.rollout.temperature=-0.1 must be >= 0",
+            "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]",
+            "actor_rollout_ref.rollout.top_k=-2 must be >= -1",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=1.2 must be in (0, 1]",
+            "actor_rollout_ref.rollout.n=0 must be >= 1",
+        ],
+    ),
+    f"{R}.val_kwargs": (
+        [f"{R}.val_kwargs.n=0", f"{R}.val_kwargs.top_p=1.5"],
+        [
+            "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1",
+            "actor_rollout_ref.rollout.val_kwargs.top_p=1.5 must be in (0, 1]",
+        ],
+    ),
+    "critic": (
+        # the critic follows the actor's loss_agg_mode through an interpolation
+        ["critic.strategy=fsdp", "critic.ppo_epochs=0", f"{A}.loss_agg_mode=token-sum"],
+        [
+            "critic.strategy='fsdp': this project trains with Megatron only",
+            "critic.ppo_epochs=0 must be >= 1",
+            "critic.loss_agg_mode='token-sum' is not a loss aggregation mode",
+        ],
+    ),
+    "reward_model": (
+        ["reward_model.micro_batch_size_per_gpu=0"],
+        ["reward_model.micro_batch_size_per_gpu=0 must be >= 1 (or null)"],
+    ),
+}
+
+# cross-section rule -> (overrides on top of the valid base config, substrings its message must contain)
+CASES = {
+    V.check_rollout_correction_engine: (
+        [f"{RC}.bypass_mode=true", f"{A}.router_replay.mode=R2"],
+        [
+            "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass, where router_replay.mode=R2"
+        ],
+    ),
+    V.check_rollout_placement: (
+        ["trainer.rollout_mode=one_step_off"],
+        [
+            "trainer.rollout_mode=one_step_off overlaps generation with training, which one set of processes "
+            "cannot do: set actor_rollout_ref.hybrid_engine=false",
         ],
     ),
     V.check_group_estimator_n: (
@@ -104,24 +183,6 @@ CASES = {
         [
             "algorithm.adv_estimator=grpo compares responses to the same prompt, but actor_rollout_ref.rollout.n=1; "
             "set actor_rollout_ref.rollout.n to 2 or more"
-        ],
-    ),
-    V.check_sampling_ranges: (
-        [
-            f"{R}.temperature=-0.1",
-            f"{R}.top_p=0",
-            f"{R}.top_k=-2",
-            f"{R}.val_kwargs.n=0",
-            f"{R}.val_kwargs.top_p=1.5",
-            f"{R}.gpu_memory_utilization=1.2",
-        ],
-        [
-            "actor_rollout_ref.rollout.temperature=-0.1 must be >= 0",
-            "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]",
-            "actor_rollout_ref.rollout.top_k=-2 must be >= -1",
-            "actor_rollout_ref.rollout.val_kwargs.n=0 must be >= 1",
-            "actor_rollout_ref.rollout.val_kwargs.top_p=1.5 must be in (0, 1]",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=1.2 must be in (0, 1]",
         ],
     ),
     # Needs a checkpoint on disk: the overrides are built from tmp_path.
@@ -219,13 +280,6 @@ CASES = {
             "actor_rollout_ref.rollout.max_model_len=2000 is shorter than max_prompt_length + max_response_length",
         ],
     ),
-    V.check_recompute: (
-        [f"{A}.megatron.recompute_granularity=selective", f"{A}.megatron.recompute_method=uniform"],
-        [
-            "actor_rollout_ref.actor.megatron.recompute_method/recompute_num_layers apply to "
-            "recompute_granularity=full only (it is selective)"
-        ],
-    ),
     V.check_vision_tp_divides_heads: (
         [
             *VL_ARCH,
@@ -308,6 +362,49 @@ def test_rule_reports_its_problem(rule, tmp_path):
         validate_config(cfg)
     for text in expected:
         assert any(text in message for message in err.value.errors)
+
+
+def test_every_section_rule_has_a_case():
+    run = OmegaConf.to_object(make_cfg())
+    with_rules = {cls for cls in schema_dataclasses() if "validate" in vars(cls) and cls is not RunConfig}
+    assert {type(roles.at(run, key)) for key in SECTION_CASES} == with_rules
+
+
+@pytest.mark.parametrize("key", list(SECTION_CASES))
+def test_section_reports_its_problems(key):
+    overrides, expected = SECTION_CASES[key]
+    cfg = make_cfg(*overrides)
+    direct = roles.at(OmegaConf.to_object(cfg), key).validate(key)
+    for text in expected:
+        assert any(text in message for message in direct), f"{text!r} not in {direct}"
+    # validate_config reports the same messages in its one ConfigError.
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    for text in expected:
+        assert any(text in message for message in err.value.errors), f"{text!r} not in {err.value.errors}"
+
+
+def test_a_section_checks_itself_without_a_loaded_config():
+    # The rules read the dataclass, so a section built in code is checked the same way, and its
+    # messages name the section's place in the config.
+    assert RolloutConfig(temperature=-1.0, top_k=-3).validate() == [
+        "actor_rollout_ref.rollout.temperature=-1.0 must be >= 0",
+        "actor_rollout_ref.rollout.top_k=-3 must be >= -1 (-1 disables top-k)",
+    ]
+    assert MegatronConfig(recompute_method="block").validate("critic.megatron") == [
+        "critic.megatron.recompute_method/recompute_num_layers apply to recompute_granularity=full only "
+        "(it is None); set them to null or use full"
+    ]
+    assert MegatronConfig().validate("critic.megatron") == []
+
+
+def test_inactive_roles_keep_their_strategy_and_layout_unchecked():
+    run = OmegaConf.to_object(make_cfg("critic.strategy=fsdp", "critic.megatron.context_parallel_size=0"))
+    assert run.critic.validate(built=False) == []
+    assert [m.split(":")[0] for m in run.critic.validate()] == [
+        "critic.strategy='fsdp'",
+        "critic.megatron.context_parallel_size=0 must be >= 1",
+    ]
 
 
 def test_all_violations_come_in_one_error():
@@ -425,15 +522,14 @@ def test_rollout_correction_is_valid_with_either_engine(level, engine):
 
 def _with_engine(engine: str, *overrides: str) -> V.ValidationContext:
     """A context whose rollout engine is ``engine``: every engine the schema accepts (vllm, hf)
-    returns log-probs, so one that does not can only be written into an untyped copy."""
+    returns log-probs, so one that does not can only be written into the typed config."""
     ctx = V.ValidationContext.build(make_cfg(*overrides))
-    ctx.cfg = OmegaConf.create(OmegaConf.to_container(ctx.cfg))
-    ctx.cfg.actor_rollout_ref.rollout.name = engine
+    ctx.run.actor_rollout_ref.rollout.name = engine
     return ctx
 
 
 def test_rollout_correction_needs_an_engine_that_returns_log_probs():
-    errors = V.check_rollout_correction(_with_engine("sglang", f"{RC}.rollout_is=token"))
+    errors = V.check_rollout_correction_engine(_with_engine("sglang", f"{RC}.rollout_is=token"))
     assert any(
         "algorithm.rollout_correction.rollout_is=token weights tokens by the rollout engine's log-probs, "
         "which actor_rollout_ref.rollout.name='sglang' does not return; use one of: vllm, hf, or set "
@@ -441,7 +537,7 @@ def test_rollout_correction_needs_an_engine_that_returns_log_probs():
         for e in errors
     ), errors
     # Off, the engine does not matter to this rule; the loader refuses an unknown engine anyway.
-    assert V.check_rollout_correction(_with_engine("sglang")) == []
+    assert V.check_rollout_correction_engine(_with_engine("sglang")) == []
     assert _errors(f"{R}.name=sglang") == [
         "actor_rollout_ref.rollout.name='sglang' is not one of: vllm, hf (command line)"
     ]
@@ -587,14 +683,13 @@ def test_partial_rollout_needs_an_overlapping_mode_and_a_vllm_rollout():
 
 def test_bypass_mode_is_valid_alone_and_refuses_what_it_makes_meaningless():
     assert _errors(f"{RC}.bypass_mode=true") == []
-    errors = V.check_rollout_correction(
-        _with_engine("sglang", f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token")
-    )
+    errors = _errors(f"{RC}.bypass_mode=true", f"{RC}.rollout_is=token")
     assert any(
         "algorithm.rollout_correction.bypass_mode=true takes the rollout's log-probs as the old policy, so "
         "algorithm.rollout_correction.rollout_is=token would weight every token by exp(0) = 1" in e
         for e in errors
     ), errors
+    errors = V.check_rollout_correction_engine(_with_engine("sglang", f"{RC}.bypass_mode=true"))
     assert any(
         "bypass_mode=true needs the rollout engine's log-probs, which actor_rollout_ref.rollout.name='sglang'"
         in e
