@@ -92,6 +92,7 @@ def test_death_names_the_calls_queued_behind_the_one_it_surfaced_on(local_ray):
     # surfaces on that call: the error names what was queued behind it, in submission order.
     group, pool = _group(2, 1, "die_queued")
     assert group.call("nap", 0.0) == [0, 1]  # collected: not in flight any more
+    assert group.dp_size() == 2  # tag_rows splits by DP rank: the layout is known before a rank dies
     first = group.submit("die", 1, timeout_s=60)
     behind = [group.submit("nap", 0.1), group.submit("tag_rows", Batch.from_dict({"x": torch.zeros(2)}))]
     with pytest.raises(WorkerError) as err:
