@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv (idempotent) and runs the whole test suite plus the linter.
+# Sets up .venv (idempotent) and runs the linter, the formatter's check and the whole test suite.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 # The suite runs on RLHF_TEST_WORKERS pytest-xdist workers (default 2, this machine's cores; 0 runs
 # it in this process) and ends with the 25 slowest tests and setups and the time by kind.
@@ -10,6 +10,7 @@ bash scripts/setup_env.sh
 bash scripts/install_slurm.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check rlhf_megatron tests tools launchers scripts
+.venv/bin/ruff format --check rlhf_megatron tests tools launchers scripts
 set +e
 WORKERS=${RLHF_TEST_WORKERS:-2}
 if [ "$WORKERS" -gt 0 ]; then PARALLEL=(-n "$WORKERS" --dist worksteal); else PARALLEL=(-p no:xdist); fi

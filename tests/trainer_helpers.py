@@ -31,11 +31,33 @@ def tiny_run_inputs(tmp_path_factory):
     def build(root: Path) -> dict[str, str]:
         from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-        subprocess.run([sys.executable, str(ROOT / "tools/data/arith.py"), "--output-dir", str(root / "data"),
-                        "--train-size", "64", "--test-size", "8", "--seed", "0"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tools/data/arith.py"),
+                "--output-dir",
+                str(root / "data"),
+                "--train-size",
+                "64",
+                "--test-size",
+                "8",
+                "--seed",
+                "0",
+            ],
+            check=True,
+            capture_output=True,
+        )
         # The quickstart preset's architecture (its model_arch must match the checkpoint), random weights.
-        model = make_tiny_hf_model(root / "model", "llama", num_layers=2, hidden_size=256, num_heads=4,
-                                   num_kv_heads=2, ffn_hidden_size=512, max_position_embeddings=128)  # fmt: skip
+        model = make_tiny_hf_model(
+            root / "model",
+            "llama",
+            num_layers=2,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=512,
+            max_position_embeddings=128,
+        )
         return {"model": str(model), "data": str(root / "data")}
 
     return shared_artifact(tmp_path_factory, "trainer_inputs", build)[1]
@@ -112,8 +134,14 @@ def shared_ray_env() -> dict[str, str]:
             token = secrets.token_hex(32)
             env = {**os.environ, "RAY_AUTH_TOKEN": token}
             env.pop("RAY_ADDRESS", None)
-            _head = subprocess.Popen([sys.executable, "-c", _HEAD], stdin=subprocess.PIPE, env=env,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+            _head = subprocess.Popen(
+                [sys.executable, "-c", _HEAD],
+                stdin=subprocess.PIPE,
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
             atexit.register(_stop_ray_head, _head)
             address, *mode = _head.stdout.readline().split()
             if not address:
@@ -150,8 +178,14 @@ def run_train(config, overrides, env=None, timeout=600, own_ray=False):
     else:
         full_env.update(shared_ray_env())
     config_args = ["--config", config] if config else []
-    proc = subprocess.run([sys.executable, "-m", "rlhf_megatron.train", *config_args, *overrides],
-                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_megatron.train", *config_args, *overrides],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_local_dir="))
     path = Path(run_dir) / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

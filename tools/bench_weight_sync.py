@@ -139,14 +139,28 @@ def write_random_moe_checkpoint(
 
     tokenizer = _tokenizer(vocab)
     config = transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"], vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=expert_ffn * experts, moe_intermediate_size=expert_ffn, num_experts=experts,
-        num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=256, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
-    )  # fmt: skip
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=expert_ffn * experts,
+        moe_intermediate_size=expert_ffn,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype,
+    )
     return _write_random_tensors(out_dir, config, tokenizer, dtype, seed, shard_bytes)
 
 
@@ -158,12 +172,22 @@ def llama_config(
 
     tokenizer = tokenizer or _tokenizer(vocab)
     return transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=256, tie_word_embeddings=False,
-        rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype,
-    )  # fmt: skip
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype,
+    )
 
 
 def _tokenizer(vocab: int):
@@ -566,10 +590,22 @@ def run_tp(
     threads = max(1, (os.cpu_count() or 1) // world)
     env = {**ENV, "OMP_NUM_THREADS": str(threads)}
     ranks = run_on_ranks(
-        bench_rank, world, hf_dir, tp, ep, args.dtype, load_format, args.bucket_mb * 2**20, args.warmup,
-        args.sample_ms / 1000, args.profile, threads, int(args.mmap_threshold_mb * 2**20), env=env,
+        bench_rank,
+        world,
+        hf_dir,
+        tp,
+        ep,
+        args.dtype,
+        load_format,
+        args.bucket_mb * 2**20,
+        args.warmup,
+        args.sample_ms / 1000,
+        args.profile,
+        threads,
+        int(args.mmap_threshold_mb * 2**20),
+        env=env,
         timeout_s=args.timeout_s,
-    )  # fmt: skip
+    )
     profile = ranks[0].pop("profile", None)
     if profile:
         layout = f"TP={tp}" + (f", EP={ep}" if ep > 1 else "")
@@ -607,10 +643,17 @@ def model_summary(model_dir: Path, dtype: str, build_s: float) -> dict:
     arch = ModelArch.from_hf_dir(model_dir)
     params = arch_params(arch)
     out = {
-        "architecture": arch.architecture, "params": params, "bytes": params * DTYPE_BYTES[dtype], "dtype": dtype,
-        "layers": arch.num_layers, "hidden": arch.hidden_size, "heads": arch.num_attention_heads,
-        "kv_heads": arch.num_kv_heads, "ffn": arch.ffn_hidden_size, "vocab": arch.vocab_size,
-    }  # fmt: skip
+        "architecture": arch.architecture,
+        "params": params,
+        "bytes": params * DTYPE_BYTES[dtype],
+        "dtype": dtype,
+        "layers": arch.num_layers,
+        "hidden": arch.hidden_size,
+        "heads": arch.num_attention_heads,
+        "kv_heads": arch.num_kv_heads,
+        "ffn": arch.ffn_hidden_size,
+        "vocab": arch.vocab_size,
+    }
     if arch.moe is not None:
         per_expert = 3 * arch.hidden_size * arch.moe.ffn_hidden_size
         expert_params = per_expert * arch.moe.num_experts * len(arch.moe.moe_layers)
@@ -639,10 +682,16 @@ def run_dense(args, model_dir: Path) -> dict:
     build_s = _build(
         model_dir,
         lambda d: write_random_checkpoint(
-            d, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
-            vocab=args.vocab, dtype=args.dtype,
+            d,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            ffn=args.ffn,
+            vocab=args.vocab,
+            dtype=args.dtype,
         ),
-    )  # fmt: skip
+    )
     model = model_summary(model_dir, args.dtype, build_s)
     runs = [
         run_tp(tp, fmt, str(model_dir), args, model["bytes"]) for tp in args.tp for fmt in args.load_format
@@ -684,14 +733,16 @@ def run_moe(args, model_dir: Path) -> dict:
         lambda d: write_random_moe_checkpoint(
             d, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, dtype=args.dtype, **sizes
         ),
-    )  # fmt: skip
+    )
     moe = model_summary(moe_dir, args.dtype, build_s)
     ffn = dense_ffn_for_params(moe["params"], **sizes)
     build_s = _build(dense_dir, lambda d: write_random_checkpoint(d, ffn=ffn, dtype=args.dtype, **sizes))
     dense = model_summary(dense_dir, args.dtype, build_s)
     if dense["ffn"] != ffn:
-        raise SystemExit(f"{dense_dir} holds a dense model of FFN {dense['ffn']}, not {ffn}: remove it or pick "
-                         "another --model-dir")  # fmt: skip
+        raise SystemExit(
+            f"{dense_dir} holds a dense model of FFN {dense['ffn']}, not {ffn}: remove it or pick "
+            "another --model-dir"
+        )
     runs, dense_runs = [], []
     for ep in args.ep:
         for fmt in args.load_format:

@@ -119,9 +119,17 @@ def write_rl_data(args: argparse.Namespace) -> list[str]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     argv = [
-        "--output-dir", str(args.data_dir), "--train-size", str(args.train_size),
-        "--test-size", str(args.test_size), "--seed", str(args.seed), "--max-operand", str(args.max_operand),
-    ]  # fmt: skip
+        "--output-dir",
+        str(args.data_dir),
+        "--train-size",
+        str(args.train_size),
+        "--test-size",
+        str(args.test_size),
+        "--seed",
+        str(args.seed),
+        "--max-operand",
+        str(args.max_operand),
+    ]
     # The tool reports on stdout; ours must carry only the JSON result.
     with contextlib.redirect_stdout(sys.stderr):
         return module.main(argv)
@@ -172,9 +180,15 @@ def collate_sft(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]
 # ---------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(
-    model, tokenizer, examples: list[Example], *, n: int = 1, sample: bool = False,
-    seed: int = 0, max_new_tokens: int = 8,
-) -> dict[str, float]:  # fmt: skip
+    model,
+    tokenizer,
+    examples: list[Example],
+    *,
+    n: int = 1,
+    sample: bool = False,
+    seed: int = 0,
+    max_new_tokens: int = 8,
+) -> dict[str, float]:
     """Score ``n`` generations per prompt with the arith scorer, decoded as the RL side decodes.
 
     Returns accuracy (mean reward), format_rate (responses that are an integer), pass_at_n
@@ -275,9 +289,14 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
 
     greedy = evaluate(model, tokenizer, test, seed=args.seed, max_new_tokens=args.max_new_tokens)
     sampled = evaluate(
-        model, tokenizer, test, n=args.samples_per_prompt, sample=True, seed=args.seed,
+        model,
+        tokenizer,
+        test,
+        n=args.samples_per_prompt,
+        sample=True,
+        seed=args.seed,
         max_new_tokens=args.max_new_tokens,
-    )  # fmt: skip
+    )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {

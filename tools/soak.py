@@ -93,10 +93,21 @@ def main(argv=None) -> int:
 
 
 def _soak(args: argparse.Namespace, run_dir: Path) -> int:
-    cmd = [sys.executable, "-m", "rlhf_megatron.train", "--config", args.config,
-           f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={run_dir}",
-           "trainer.logger=['jsonl']", "trainer.test_freq=-1", "trainer.val_before_train=False",
-           "trainer.save_freq=-1", "trainer.resume_mode=disable", *args.overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf_megatron.train",
+        "--config",
+        args.config,
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.logger=['jsonl']",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=False",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        *args.overrides,
+    ]
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "soak_stderr.log"  # a file, not a pipe: a long run's logs would fill a pipe and block it
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -126,22 +137,39 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
     stderr = log.read_text(errors="replace")
     if proc.wait() != 0 or len(samples) < args.steps:
         why = f"timed out after {args.timeout:.0f} s" if timed_out else f"exit {proc.returncode}"
-        print(json.dumps({"ok": False, "error": f"run failed ({why}) after {len(samples)} of {args.steps} steps",
-                          "stderr_tail": stderr[-2000:]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "ok": False,
+                    "error": f"run failed ({why}) after {len(samples)} of {args.steps} steps",
+                    "stderr_tail": stderr[-2000:],
+                }
+            )
+        )
         return 2
     steps = sorted(s for s in samples if args.warmup < s < args.steps)
     total = [samples[s][0] + samples[s][1] for s in steps]
     sync = [samples[s][2] for s in steps]
     rss_slope, sync_slope = _slope(steps, total), _slope(steps, sync)
     ok = rss_slope <= args.max_rss_mb_per_step and sync_slope <= args.max_sync_slope
-    print(json.dumps({
-        "steps": args.steps, "warmup": args.warmup, "rss_mb_per_step": round(rss_slope, 3),
-        "total_rss_mb": [round(total[0], 1), round(total[-1], 1)],
-        "driver_rss_mb": [round(samples[steps[0]][0], 1), round(samples[steps[-1]][0], 1)],
-        "sync_s_per_step": round(sync_slope, 5), "sync_s": [round(sync[0], 4), round(sync[-1], 4)],
-        "bounds": {"rss_mb_per_step": args.max_rss_mb_per_step, "sync_s_per_step": args.max_sync_slope},
-        "ok": ok,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "rss_mb_per_step": round(rss_slope, 3),
+                "total_rss_mb": [round(total[0], 1), round(total[-1], 1)],
+                "driver_rss_mb": [round(samples[steps[0]][0], 1), round(samples[steps[-1]][0], 1)],
+                "sync_s_per_step": round(sync_slope, 5),
+                "sync_s": [round(sync[0], 4), round(sync[-1], 4)],
+                "bounds": {
+                    "rss_mb_per_step": args.max_rss_mb_per_step,
+                    "sync_s_per_step": args.max_sync_slope,
+                },
+                "ok": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -114,9 +114,16 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 
 _NUMPY_DTYPES = {
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool,
-}  # fmt: skip
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def _rebuild_batch(tensors: dict, non_tensors: dict, meta_info: dict, size: int) -> Batch:

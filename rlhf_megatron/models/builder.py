@@ -166,9 +166,13 @@ def _check_experts(arch: ModelArch, parallel: ParallelConfig) -> None:
     for what, n, size, key in (
         ("num_experts", moe.num_experts, ep, "expert_model_parallel_size"),
         ("moe_intermediate_size", moe.ffn_hidden_size, etp, "expert_tensor_parallel_size"),
-        ("shared_expert_intermediate_size", moe.shared_expert_ffn_hidden_size or 0, parallel.tensor_model_parallel_size,
-         "tensor_model_parallel_size"),
-    ):  # fmt: skip
+        (
+            "shared_expert_intermediate_size",
+            moe.shared_expert_ffn_hidden_size or 0,
+            parallel.tensor_model_parallel_size,
+            "tensor_model_parallel_size",
+        ),
+    ):
         if n % size:
             raise ValueError(f"{arch.architecture}: {what} ({n}) is not divisible by {key}={size}")
 

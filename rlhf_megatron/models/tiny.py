@@ -83,7 +83,7 @@ def build_tiny_hf_model(
             head_dim,
             max_position_embeddings,
             tie_word_embeddings,
-        ),  # fmt: skip
+        ),
         **extra,
     )
     torch.manual_seed(seed)
@@ -183,7 +183,7 @@ def build_tiny_moe_model(
             head_dim,
             max_position_embeddings,
             tie_word_embeddings,
-        ),  # fmt: skip
+        ),
         num_experts_per_tok=top_k,
         router_aux_loss_coef=router_aux_loss_coef,
     )

@@ -97,11 +97,35 @@ def _to_cpu_device(device):
 
 # Tensor factories that take ``device=`` (patch 3): every megatron allocation goes through one.
 _FACTORIES = (
-    "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
-    "full_like", "tensor", "as_tensor", "asarray", "scalar_tensor", "arange", "range", "linspace",
-    "logspace", "eye", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
-    "randperm", "tril_indices", "triu_indices", "sparse_coo_tensor",
-)  # fmt: skip
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "tensor",
+    "as_tensor",
+    "asarray",
+    "scalar_tensor",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "eye",
+    "rand",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "randperm",
+    "tril_indices",
+    "triu_indices",
+    "sparse_coo_tensor",
+)
 _TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
@@ -234,7 +258,11 @@ def _keep_compilable() -> None:
     model with fullgraph=True on CPU too): Dynamo would otherwise trace into the wrapper and stop
     at the C method it forwards to. AOT tracing still runs the wrapper, so the device rewrite
     holds inside compiled code."""
-    for method in (torch.Tensor.to, torch.Tensor.type, *(getattr(torch.Tensor, n) for n in _TENSOR_FACTORIES)):
+    for method in (
+        torch.Tensor.to,
+        torch.Tensor.type,
+        *(getattr(torch.Tensor, n) for n in _TENSOR_FACTORIES),
+    ):
         torch.compiler.allow_in_graph(method)
 
 

@@ -301,6 +301,12 @@ class RewardManager(RewardFn):
                 prompt = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
             logger.info(
                 "[%s] prompt: %r\n[%s] response: %r\n[%s] ground_truth: %r\n[%s] score: %s",
-                source, prompt, source, kwargs["solution_str"], source, kwargs["ground_truth"], source,
+                source,
+                prompt,
+                source,
+                kwargs["solution_str"],
+                source,
+                kwargs["ground_truth"],
+                source,
                 float(row_scores[row]),
-            )  # fmt: skip
+            )

@@ -88,8 +88,16 @@ def _gantt(ax, spans, steps: list[tuple[int, float]]) -> None:
                 ax.broken_barh(bars, (lane - 0.4, 0.8), color=colours[phase], label=phase)
     for step, begin in steps:
         ax.axvline(begin, color="grey", linestyle=":", linewidth=0.8)
-        ax.annotate(f"step {step}", (begin, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                    textcoords="offset points", va="top", fontsize=7, color="grey")  # fmt: skip
+        ax.annotate(
+            f"step {step}",
+            (begin, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, -2),
+            textcoords="offset points",
+            va="top",
+            fontsize=7,
+            color="grey",
+        )
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=3, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -235,11 +235,13 @@ class RolloutScheduler:
         self._fill(step)  # keep the rollout busy while this step trains
         lag = lag.float()
         partial = (
-            {"async/partial_samples": float(0 if gen.continued is None else gen.continued.sum()),
-             "async/interrupts": float(self.interrupts)}
+            {
+                "async/partial_samples": float(0 if gen.continued is None else gen.continued.sum()),
+                "async/interrupts": float(self.interrupts),
+            }
             if self.partial
             else {}
-        )  # fmt: skip
+        )
         return batch, {
             **partial,
             "async/staleness_mean": float(lag.mean()),

@@ -199,10 +199,12 @@ def _owner(name: str, arch: ModelArch, layout: TrainLayout) -> tuple[int, int | 
 
 # -- vLLM's per-rank layout (sharded format) ------------------------------------------------------
 
-_VLLM_FUSED = {"self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
-               "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
-               "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
-               "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight"}  # fmt: skip
+_VLLM_FUSED = {
+    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
+    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
+    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
+    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
+}
 # Megatron parameters whose TP shard equals vLLM's shard rank for rank when the TP sizes match.
 _ALIGNED_SUFFIXES = (
     "self_attention.linear_qkv.weight",

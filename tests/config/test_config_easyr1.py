@@ -121,8 +121,11 @@ def test_this_projects_own_keys_pass_through_next_to_easyr1_ones():
 
 
 def test_command_line_wins_and_load_checkpoint_path_resumes_from_it():
-    cfg, _ = _load("worker.actor.global_batch_size=32", "trainer.load_checkpoint_path=/ckpt/global_step_5",
-                   "trainer.save_limit=-1")  # fmt: skip
+    cfg, _ = _load(
+        "worker.actor.global_batch_size=32",
+        "trainer.load_checkpoint_path=/ckpt/global_step_5",
+        "trainer.save_limit=-1",
+    )
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 32
     assert (cfg.trainer.resume_mode, cfg.trainer.resume_from_path) == ("resume_path", "/ckpt/global_step_5")
     assert cfg.trainer.max_actor_ckpt_to_keep is None

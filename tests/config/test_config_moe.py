@@ -48,11 +48,22 @@ def test_active_counts_the_top_k_experts_and_the_shared_one():
     """Qwen1.5-MoE-A2.7B's config.json: 60 experts (4 per token) plus a 5632-wide gated shared
     expert; published 14.3B total, 2.7B activated."""
     arch = ModelArch.from_hf_config(
-        dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=2048, num_hidden_layers=24,
-             num_attention_heads=16, num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
-             shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4, vocab_size=151936,
-             tie_word_embeddings=False)
-    )  # fmt: skip
+        dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            hidden_size=2048,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_experts=60,
+            num_experts_per_tok=4,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+        )
+    )
     c = count_parameters(arch)
     assert abs(c.total - 14.3e9) / 14.3e9 < 0.005 and abs(c.active - 2.7e9) / 2.7e9 < 0.01
     expert = 3 * 2048 * 1408
@@ -61,10 +72,22 @@ def test_active_counts_the_top_k_experts_and_the_shared_one():
 
 
 def test_dense_layers_among_sparse_ones_count_their_own_mlp():
-    config = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64, num_hidden_layers=4,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
-                  moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, vocab_size=100,
-                  decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    config = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=100,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    )
     arch = ModelArch.from_hf_config(config)
     assert arch.moe.moe_layers == (1,)  # layer 3 would be sparse by the step, but it is listed dense
     c = count_parameters(arch)
@@ -75,8 +98,15 @@ def test_dense_layers_among_sparse_ones_count_their_own_mlp():
 
 
 def test_mixtral_router_jitter_and_bad_sparse_layers_are_refused():
-    mixtral = dict(architectures=["MixtralForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=1, vocab_size=100)  # fmt: skip
+    mixtral = dict(
+        architectures=["MixtralForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+    )
     with pytest.raises(UnsupportedModelError, match="router_jitter_noise=0.1"):
         ModelArch.from_hf_config({**mixtral, "router_jitter_noise": 0.1})
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok=9 must be between 1 and the 8"):
@@ -129,8 +159,13 @@ def _errors(*overrides: str) -> str:
 
 
 def test_a_valid_expert_layout_passes():
-    validate_config(make_cfg(*MOE_ARCH, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-                             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"))  # fmt: skip
+    validate_config(
+        make_cfg(
+            *MOE_ARCH,
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2",
+        )
+    )
 
 
 def test_expert_layout_errors_name_keys_values_and_the_fix():
@@ -179,8 +214,11 @@ def test_tp_training_of_moe_needs_sequence_parallelism():
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
         )
     )
-    msg = _errors(*MOE_ARCH, "actor_rollout_ref.rollout.load_format=sharded",
-                  "actor_rollout_ref.rollout.tensor_model_parallel_size=4")  # fmt: skip
+    msg = _errors(
+        *MOE_ARCH,
+        "actor_rollout_ref.rollout.load_format=sharded",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+    )
     assert "rollout.tensor_model_parallel_size=4 must divide moe_intermediate_size=98" in msg
 
 

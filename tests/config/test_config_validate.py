@@ -650,8 +650,10 @@ def test_disaggregated_rollout_pool_problems_are_named():
 
 
 def test_rollout_mode_is_a_choice():
-    assert any("trainer.rollout_mode='fast' is not one of: sync, one_step_off, async" in e
-               for e in _errors("trainer.rollout_mode=fast"))  # fmt: skip
+    assert any(
+        "trainer.rollout_mode='fast' is not one of: sync, one_step_off, async" in e
+        for e in _errors("trainer.rollout_mode=fast")
+    )
 
 
 def test_rollout_tp_is_checked_against_the_rollout_pool_when_disaggregated():
@@ -674,10 +676,18 @@ def test_disaggregated_rollout_pool_needs_gpus_per_node():
 def test_partial_rollout_needs_an_overlapping_mode_and_a_vllm_rollout():
     assert _errors(*DISAGGREGATED, "trainer.rollout_mode=async", "trainer.partial_rollout=true") == []
     text = "\n".join(_errors("trainer.partial_rollout=true"))
-    assert "trainer.partial_rollout=true interrupts generations that run beside training, but " \
-           "trainer.rollout_mode=sync generates only between updates" in text  # fmt: skip
-    text = "\n".join(_errors(*DISAGGREGATED, "trainer.rollout_mode=one_step_off", "trainer.partial_rollout=true",
-                             "actor_rollout_ref.rollout.name=hf"))  # fmt: skip
+    assert (
+        "trainer.partial_rollout=true interrupts generations that run beside training, but "
+        "trainer.rollout_mode=sync generates only between updates" in text
+    )
+    text = "\n".join(
+        _errors(
+            *DISAGGREGATED,
+            "trainer.rollout_mode=one_step_off",
+            "trainer.partial_rollout=true",
+            "actor_rollout_ref.rollout.name=hf",
+        )
+    )
     assert "trainer.partial_rollout=true needs actor_rollout_ref.rollout.name=vllm" in text
 
 

@@ -71,7 +71,9 @@ def _grouped_batch(group_size=4, groups=8, prompt_width=6, response_width=10):
     for g in range(groups):
         prompt = rng.randint(1, prompt_width)
         for k in range(group_size):
-            mask[g * group_size + k, prompt_width - prompt : prompt_width + rng.randint(1, response_width)] = 1
+            mask[
+                g * group_size + k, prompt_width - prompt : prompt_width + rng.randint(1, response_width)
+            ] = 1
     return Batch.from_dict(
         {"attention_mask": mask, "prompts": torch.zeros(rows, prompt_width, dtype=torch.long)},
         {"uid": [f"p{i // group_size}" for i in range(rows)], "row": list(range(rows))},

@@ -31,11 +31,18 @@ def geo_rows():
     """geometry3k-shaped rows: ``problem`` with <image>, ``answer``, ``images`` as HF stores them."""
     return [
         {"problem": "<image>Find x.", "answer": "3", "images": [{"bytes": png(300, 200), "path": None}]},
-        {"problem": "Compare <image> with <image>.", "answer": "4",
-         "images": [{"bytes": png(56, 56), "path": None}, {"bytes": png(20, 40), "path": None}]},
+        {
+            "problem": "Compare <image> with <image>.",
+            "answer": "4",
+            "images": [{"bytes": png(56, 56), "path": None}, {"bytes": png(20, 40), "path": None}],
+        },
         {"problem": "What is 2+2?", "answer": "4", "images": []},
-        {"problem": "<image>Area?", "answer": "\\frac{1}{2}", "images": [{"bytes": png(112, 56), "path": None}]},
-    ]  # fmt: skip
+        {
+            "problem": "<image>Area?",
+            "answer": "\\frac{1}{2}",
+            "images": [{"bytes": png(112, 56), "path": None}],
+        },
+    ]
 
 
 @pytest.fixture
@@ -89,8 +96,13 @@ def test_easyr1_row_is_built_as_easyr1_builds_it(vision, geo_parquet, tmp_path):
     pad_at = item["raw_prompt_ids"].index(vision.image_token_id)
     raw = item["raw_prompt_ids"]
     assert ids[valid].tolist() == raw[:pad_at] + [vision.image_token_id] * 15 + raw[pad_at + 1 :]
-    expected_pos = get_rope_index(ids[None], item["attention_mask"][None], mm["image_grid_thw"],
-                                  image_token_id=vision.image_token_id, spatial_merge_size=2)[0]  # fmt: skip
+    expected_pos = get_rope_index(
+        ids[None],
+        item["attention_mask"][None],
+        mm["image_grid_thw"],
+        image_token_id=vision.image_token_id,
+        spatial_merge_size=2,
+    )[0]
     assert item["position_ids"].shape == (3, 160) and torch.equal(item["position_ids"], expected_pos)
 
     assert item["reward_model"] == {"ground_truth": "3"} and item["data_source"] == "train"
@@ -140,14 +152,25 @@ def test_verl_multimodal_parquet_with_image_paths(vision, tmp_path):
         "extra_info": {"index": 42},
     }
     pq.write_table(pa.Table.from_pylist([row]), tmp_path / "geo.parquet")
-    cfg = DataConfig(max_prompt_length=96, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, return_raw_chat=True,
-                     system_prompt=SYSTEM)  # fmt: skip
+    cfg = DataConfig(
+        max_prompt_length=96,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+        return_raw_chat=True,
+        system_prompt=SYSTEM,
+    )
     item = RLHFDataset(str(tmp_path / "geo.parquet"), vision.processor.tokenizer, cfg, vision)[0]
     assert item["raw_prompt"] == [
         {"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
-        {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image"},
-                                     {"type": "text", "text": " What is x?"}]},
-    ]  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look: "},
+                {"type": "image"},
+                {"type": "text", "text": " What is x?"},
+            ],
+        },
+    ]
     assert vision.processor.tokenizer.decode(item["raw_prompt_ids"]).endswith(
         f"user\nLook: {VISION} What is x?<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -206,16 +229,21 @@ def test_filter_overlong_counts_image_tokens_without_decoding(vision, geo_parque
     full = RLHFDataset(geo_parquet, vision.processor.tokenizer, easyr1_cfg(), vision)
     actual = [int(full[i]["attention_mask"].sum()) for i in range(4)]
     limit = sorted(actual)[1]  # keeps the two shortest
-    ds = RLHFDataset(geo_parquet, vision.processor.tokenizer,
-                     easyr1_cfg(filter_overlong_prompts=True, max_prompt_length=limit), vision)  # fmt: skip
+    ds = RLHFDataset(
+        geo_parquet,
+        vision.processor.tokenizer,
+        easyr1_cfg(filter_overlong_prompts=True, max_prompt_length=limit),
+        vision,
+    )
     kept = [i for i, n in enumerate(actual) if n <= limit]
     assert ds.prompt_lengths.tolist() == [actual[i] for i in kept] and len(ds) == len(kept)
     assert [ds[j]["reward_model"] for j in range(len(ds))] == [full[i]["reward_model"] for i in kept]
 
 
 def test_image_prompt_over_the_limit_is_never_truncated(vision, geo_parquet):
-    ds = RLHFDataset(geo_parquet, vision.processor.tokenizer, easyr1_cfg(max_prompt_length=20, truncation="left"),
-                     vision)  # fmt: skip
+    ds = RLHFDataset(
+        geo_parquet, vision.processor.tokenizer, easyr1_cfg(max_prompt_length=20, truncation="left"), vision
+    )
     with pytest.raises(
         ValueError, match=r"row 0: prompt is \d+ tokens \(15 of them for 1 image\(s\)\).*cannot be truncated"
     ):

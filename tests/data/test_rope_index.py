@@ -15,12 +15,24 @@ def _hf_rope_index(input_ids, attention_mask, grid):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     config = Qwen2_5_VLConfig(
-        text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-                     "intermediate_size": 64, "vocab_size": 32, "rope_parameters": {"rope_type": "default",
-                     "mrope_section": [4, 6, 6], "rope_theta": 10000.0}},
-        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 1, "intermediate_size": 32, "out_hidden_size": 64},
+        text_config={
+            "hidden_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 64,
+            "vocab_size": 32,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "num_heads": 1,
+            "intermediate_size": 32,
+            "out_hidden_size": 64,
+        },
         image_token_id=IMAGE,
-    )  # fmt: skip
+    )
     model = Qwen2_5_VLModel(config)
     types = (input_ids == IMAGE).int()
     pos, _ = model.get_rope_index(input_ids, types, image_grid_thw=grid, attention_mask=attention_mask)
@@ -68,8 +80,13 @@ def test_a_placeholder_run_that_does_not_match_its_grid_names_the_row():
     with pytest.raises(ValueError, match="row 0: an image placeholder run of 3 tokens has no image_grid_thw"):
         get_rope_index(ids, torch.ones_like(ids), None, image_token_id=IMAGE, spatial_merge_size=2)
     with pytest.raises(ValueError, match="2 image_grid_thw entries but only 1"):
-        get_rope_index(ids, torch.ones_like(ids), torch.tensor([[1, 2, 6], [1, 2, 2]]), image_token_id=IMAGE,
-                       spatial_merge_size=2)  # fmt: skip
+        get_rope_index(
+            ids,
+            torch.ones_like(ids),
+            torch.tensor([[1, 2, 6], [1, 2, 2]]),
+            image_token_id=IMAGE,
+            spatial_merge_size=2,
+        )
 
 
 def test_extend_positions_continues_every_stream_like_the_full_sequence():

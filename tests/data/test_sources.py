@@ -91,8 +91,13 @@ def test_save_to_disk_dataset_and_dataset_dict(tokenizer, tmp_path):
 
 def test_save_to_disk_with_hf_image_feature(vision, tmp_path):
     """Images stored by datasets' Image feature ({bytes, path} structs) reach the processor."""
-    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
-                                  "answer": datasets.Value("string")})  # fmt: skip
+    features = datasets.Features(
+        {
+            "images": datasets.Sequence(datasets.Image()),
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+        }
+    )
     data = {"images": [[{"bytes": png(56, 56), "path": None}]], "problem": ["<image>x?"], "answer": ["1"]}
     datasets.Dataset.from_dict(data, features=features).save_to_disk(str(tmp_path / "geo"))
     cfg = DataConfig(
@@ -108,8 +113,13 @@ def test_missing_path_names_the_key_and_never_reaches_a_hub(tokenizer, tmp_path,
     with pytest.raises(FileNotFoundError) as info:
         RLHFDataset("hiyouga/geometry3k@test", tokenizer, CFG, files_key="data.val_files")
     message = str(info.value)
-    for words in ("data.val_files", "'hiyouga/geometry3k@test'", "hiyouga/geometry3k does not exist",
-                  "save_to_disk", "no hub is contacted"):  # fmt: skip
+    for words in (
+        "data.val_files",
+        "'hiyouga/geometry3k@test'",
+        "hiyouga/geometry3k does not exist",
+        "save_to_disk",
+        "no hub is contacted",
+    ):
         assert words in message, message
 
 

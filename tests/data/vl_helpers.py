@@ -27,12 +27,28 @@ def write_tiny_vl_model(path: str | os.PathLike) -> str:
     processor.save_pretrained(path)
     tok = processor.tokenizer
     token = tok.convert_tokens_to_ids
-    text = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-            "intermediate_size": 64, "vocab_size": 128, "bos_token_id": None,
-            "eos_token_id": token("<|im_end|>"), "pad_token_id": tok.pad_token_id, "rope_parameters": {"rope_type": "default",
-            "mrope_section": [8, 12, 12], "rope_theta": 10000.0}}  # fmt: skip
-    vision = {"depth": 1, "hidden_size": 32, "num_heads": 1, "intermediate_size": 32, "out_hidden_size": 64,
-              "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}  # fmt: skip
+    text = {
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "intermediate_size": 64,
+        "vocab_size": 128,
+        "bos_token_id": None,
+        "eos_token_id": token("<|im_end|>"),
+        "pad_token_id": tok.pad_token_id,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0},
+    }
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 1,
+        "intermediate_size": 32,
+        "out_hidden_size": 64,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+    }
     Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,

@@ -33,8 +33,17 @@ def nccl():
 def model_dir(tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=4, hidden_size=256,
-                                  num_heads=4, num_kv_heads=2, ffn_hidden_size=512))  # fmt: skip
+    return str(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("tiny"),
+            "llama",
+            num_layers=4,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=512,
+        )
+    )
 
 
 def _engine(model_dir, dtype="bfloat16", lr=None, distributed_optimizer=True):

@@ -230,9 +230,19 @@ def start_cluster(
     cluster = SlurmCluster(root=root, node_names=[f"node{i}" for i in range(1, nodes + 1)])
     cluster.env = {"SLURM_CONF": str(cluster.conf)}
     try:
-        _start(["munged", "--force", f"--key-file={key}", f"--socket={socket_path}",
-                f"--pid-file={root}/run/munged.pid", f"--log-file={root}/log/munged.log",
-                f"--seed-file={munge_dir}/munged.seed"], "munged", root / "log" / "munged.log")  # fmt: skip
+        _start(
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--pid-file={root}/run/munged.pid",
+                f"--log-file={root}/log/munged.log",
+                f"--seed-file={munge_dir}/munged.seed",
+            ],
+            "munged",
+            root / "log" / "munged.log",
+        )
         node_lines = [
             NODE_LINE.format(name=n, cpus=cpus_per_node, port=_free_port()) for n in cluster.node_names
         ]

@@ -119,9 +119,14 @@ def test_launcher_shape_wins_and_is_validated(run_config):
     spec = load_run(run_config, ["trainer.total_epochs=2"], nodes=2, gpus_per_node=8)
     assert spec.cfg.trainer.nnodes == 2 and spec.cfg.trainer.n_gpus_per_node == 8
     assert spec.train_command() == [
-        "rlhf-megatron", "train", "--config", run_config,
-        "trainer.total_epochs=2", "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
-    ]  # fmt: skip
+        "rlhf-megatron",
+        "train",
+        "--config",
+        run_config,
+        "trainer.total_epochs=2",
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=8",
+    ]
 
 
 def test_passthrough_env_records_values_but_never_secrets():

@@ -24,14 +24,38 @@ K8S_VERSION = "1.30"  # a version kubernetes-validate ships schemas for, offline
 IMAGE = "registry.example.com/rlhf-megatron:gpu"
 GOLDEN_CASES = {
     "rayjob_1node.yaml": ["--nodes", "1", "--gpus-per-node", "8"],
-    "rayjob_4node.yaml": ["--nodes", "4", "--gpus-per-node", "8", "--namespace", "rl", "--secret-env", "wandb",
-                          "--cpus-per-node", "96", "--memory-per-node", "900Gi", "--storage-class", "nfs"],
-}  # fmt: skip
+    "rayjob_4node.yaml": [
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--namespace",
+        "rl",
+        "--secret-env",
+        "wandb",
+        "--cpus-per-node",
+        "96",
+        "--memory-per-node",
+        "900Gi",
+        "--storage-class",
+        "nfs",
+    ],
+}
 
 
 def _render(launch, run_config, extra: list[str]) -> str:
-    argv = ["k8s", "--config", run_config, "--image", IMAGE, "--ray-version", "2.40.0", *extra,
-            "--", "trainer.total_epochs=2"]  # fmt: skip
+    argv = [
+        "k8s",
+        "--config",
+        run_config,
+        "--image",
+        IMAGE,
+        "--ray-version",
+        "2.40.0",
+        *extra,
+        "--",
+        "trainer.total_epochs=2",
+    ]
     rc, out, err = launch(argv)
     assert rc == 0, err
     return out
@@ -66,13 +90,25 @@ def _validate(obj: dict) -> None:
 
 SHAPES = {
     "1 node x 8 GPUs": (1, 8, K8sOptions(image=IMAGE)),
-    "4 nodes x 8 GPUs, every option": (4, 8, K8sOptions(
-        image=IMAGE, namespace="rl", service_account="trainer", secret_envs=["wandb", "hf"], cpus_per_node=96,
-        memory_per_node="900Gi", storage_class="nfs", pvc_size="2Ti", shm_size="64Gi", env={"NCCL_IB_HCA": "mlx5"},
-    )),
+    "4 nodes x 8 GPUs, every option": (
+        4,
+        8,
+        K8sOptions(
+            image=IMAGE,
+            namespace="rl",
+            service_account="trainer",
+            secret_envs=["wandb", "hf"],
+            cpus_per_node=96,
+            memory_per_node="900Gi",
+            storage_class="nfs",
+            pvc_size="2Ti",
+            shm_size="64Gi",
+            env={"NCCL_IB_HCA": "mlx5"},
+        ),
+    ),
     "2 CPU nodes": (2, 0, K8sOptions(image="rlhf-megatron:cpu", cpus_per_node=8)),
     "RayCluster": (2, 4, K8sOptions(image=IMAGE, kind="raycluster")),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -85,9 +121,12 @@ def test_every_pod_template_and_object_validates(run_config, shape):
     templates = pod_templates(ray_obj)
     assert len(templates) == (1 if nodes == 1 else 2)
     for label, template in templates:
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"{ray_obj['metadata']['name']}-{label.split()[0]}", **template["metadata"]},
-               "spec": template["spec"]}  # fmt: skip
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{ray_obj['metadata']['name']}-{label.split()[0]}", **template["metadata"]},
+            "spec": template["spec"],
+        }
         _validate(pod)
 
 

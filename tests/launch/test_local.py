@@ -17,8 +17,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _launch_local(run_config: str, driver_cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
     # A process of its own, as a user runs it: the launcher owns a Ray head while it lives.
-    argv = [sys.executable, "-m", "rlhf_megatron.launch", "local", "--config", run_config, "--num-cpus", "1", "--num-gpus", "0",
-            "--driver-cmd", driver_cmd, "--", "trainer.total_epochs=1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "rlhf_megatron.launch",
+        "local",
+        "--config",
+        run_config,
+        "--num-cpus",
+        "1",
+        "--num-gpus",
+        "0",
+        "--driver-cmd",
+        driver_cmd,
+        "--",
+        "trainer.total_epochs=1",
+    ]
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

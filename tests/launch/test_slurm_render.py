@@ -42,9 +42,14 @@ def test_gpu_job_script(run_config):
     assert {"--partition=gpu", "--account=rl", "--time=2-00:00:00", "--export=ALL"} <= set(directives)
     assert f"--output={spec.run_dir}/slurm/slurm-%j.out" in directives
     assert _bash_array(script, "DRIVER_CMD") == [
-        "rlhf-megatron", "train", "--config", run_config,
-        "trainer.total_epochs=2", "trainer.nnodes=4", "trainer.n_gpus_per_node=8",
-    ]  # fmt: skip
+        "rlhf-megatron",
+        "train",
+        "--config",
+        run_config,
+        "trainer.total_epochs=2",
+        "trainer.nnodes=4",
+        "trainer.n_gpus_per_node=8",
+    ]
     assert "GPUS_PER_NODE=8" in script and "NNODES=4" in script
     assert _bash_array(script, "CONTAINER_EXEC") == [] and _bash_array(script, "CONTAINER_SRUN_ARGS") == []
 
@@ -92,8 +97,15 @@ def test_apptainer_container(run_config, gpus, nv):
     cwd = str(Path.cwd())
     binds = f"{cwd}:{cwd},/scratch/ckpt:/scratch/ckpt,/scratch/logs:/scratch/logs"
     assert _bash_array(script, "CONTAINER_EXEC") == [
-        "apptainer", "exec", *nv, "--bind", binds, "--pwd", cwd, "/images/rlhf.sif",
-    ]  # fmt: skip
+        "apptainer",
+        "exec",
+        *nv,
+        "--bind",
+        binds,
+        "--pwd",
+        cwd,
+        "/images/rlhf.sif",
+    ]
     assert _bash_array(script, "CONTAINER_SRUN_ARGS") == []
 
 
@@ -134,8 +146,19 @@ def test_submit_writes_the_script_and_prints_the_job_id(launch, run_config, tmp_
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run_dir = tmp_path / "run"
-    rc, out, err = launch(["slurm", "--config", run_config, "--nodes", "2", "--gpus-per-node", "8",
-                           "--", f"trainer.default_local_dir={run_dir}"])  # fmt: skip
+    rc, out, err = launch(
+        [
+            "slurm",
+            "--config",
+            run_config,
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--",
+            f"trainer.default_local_dir={run_dir}",
+        ]
+    )
     assert rc == 0, err
     assert out.strip() == "Submitted batch job 4242"
     script = run_dir / "slurm" / "grpo_tiny.sbatch"

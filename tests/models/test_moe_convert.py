@@ -71,7 +71,11 @@ def converted(tmp_path_factory):
 
 
 def _expert_keys(family: str) -> set[str]:
-    block, projs = ("block_sparse_moe", ("w1", "w2", "w3")) if family == "mixtral" else ("mlp", ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    block, projs = (
+        ("block_sparse_moe", ("w1", "w2", "w3"))
+        if family == "mixtral"
+        else ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
     sparse = [i for i in range(2) if i not in tiny_moe.FAMILIES[family].get("mlp_only_layers", ())]
     experts = tiny_moe.FAMILIES[family]["num_experts"]
     return {

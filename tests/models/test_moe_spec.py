@@ -19,14 +19,31 @@ from rlhf_megatron.models.spec import (
 )
 
 QWEN2_MOE = dict(
-    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=256, intermediate_size=512,
-    moe_intermediate_size=64, shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=100,
-)  # fmt: skip
+    architectures=["Qwen2MoeForCausalLM"],
+    model_type="qwen2_moe",
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    vocab_size=100,
+)
 MIXTRAL = dict(
-    architectures=["MixtralForCausalLM"], hidden_size=256, intermediate_size=90, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, vocab_size=100, router_aux_loss_coef=0.02,
-)  # fmt: skip
+    architectures=["MixtralForCausalLM"],
+    hidden_size=256,
+    intermediate_size=90,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    vocab_size=100,
+    router_aux_loss_coef=0.02,
+)
 
 
 def _arch(config) -> ModelArch:
@@ -65,7 +82,10 @@ def test_expert_gate_up_split_over_etp_like_a_dense_mlp():
     g = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(s, generator=g) for n, s in expected_hf_shapes(arch).items()}
     full = hf_to_mcore(name, arch, DictTensorSource(hf))
-    gate, up = hf["model.layers.1.block_sparse_moe.experts.3.w1.weight"], hf["model.layers.1.block_sparse_moe.experts.3.w3.weight"]  # fmt: skip
+    gate, up = (
+        hf["model.layers.1.block_sparse_moe.experts.3.w1.weight"],
+        hf["model.layers.1.block_sparse_moe.experts.3.w3.weight"],
+    )
     assert torch.equal(full, torch.cat([gate, up]))
     for rank in range(2):
         shard = hf_to_mcore(name, arch, DictTensorSource(hf), rank, 2)

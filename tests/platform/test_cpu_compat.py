@@ -32,12 +32,19 @@ def test_every_factory_and_autograd_backward_allocate_on_cpu():
     setup_platform()
     x = torch.ones(2, 3)
     made = [
-        torch.arange(3, device="cuda"), torch.full((2,), 1.0, device=0), torch.tensor([1], device="cuda:1"),
-        torch.empty_like(x, device="cuda"), torch.zeros_like(x, device=torch.device("cuda")),
-        torch.randn(2, device="cuda"), torch.eye(2, device="cuda"), torch.linspace(0, 1, 3, device="cuda"),
-        x.new_empty(2, device="cuda"), x.new_tensor([1.0], device="cuda"), x.to(device="cuda"),
+        torch.arange(3, device="cuda"),
+        torch.full((2,), 1.0, device=0),
+        torch.tensor([1], device="cuda:1"),
+        torch.empty_like(x, device="cuda"),
+        torch.zeros_like(x, device=torch.device("cuda")),
+        torch.randn(2, device="cuda"),
+        torch.eye(2, device="cuda"),
+        torch.linspace(0, 1, 3, device="cuda"),
+        x.new_empty(2, device="cuda"),
+        x.new_tensor([1.0], device="cuda"),
+        x.to(device="cuda"),
         x.to("cuda", torch.float64),
-    ]  # fmt: skip
+    ]
     assert all(t.device.type == "cpu" for t in made)
     assert made[-1].dtype == torch.float64
 

@@ -45,7 +45,7 @@ CONFIG_CASES = [
         "tp_does_not_divide_heads",
         ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3", "trainer.n_gpus_per_node=3"],
         ["tensor_model_parallel_size"],
-    ),  # fmt: skip
+    ),
     (
         "tp_times_pp_exceeds_world",
         ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
@@ -59,7 +59,7 @@ CONFIG_CASES = [
             "trainer.n_gpus_per_node=3",
         ],
         ["pipeline_model_parallel_size"],
-    ),  # fmt: skip
+    ),
     (
         "mini_batch_larger_than_batch",
         ["actor_rollout_ref.actor.ppo_mini_batch_size=64"],
@@ -109,8 +109,12 @@ def _write(tmp, rows, name="bad.parquet", empty=False):
 
 
 def _good_row(**change):
-    row = {"data_source": "arith", "prompt": [{"role": "user", "content": "1+1?"}],
-           "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}  # fmt: skip
+    row = {
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"index": 0},
+    }
     row.update(change)
     return row
 
@@ -146,8 +150,11 @@ def _ds_prompt_too_long(tmp, model):
     from rlhf_megatron.data import RLHFDataset
 
     long = _good_row(prompt=[{"role": "user", "content": "x " * 500}])
-    ds = RLHFDataset(str(_write(tmp, [long])), _tokenizer(model), _data_cfg(filter_overlong_prompts=False,
-                                                                           truncation="error"))  # fmt: skip
+    ds = RLHFDataset(
+        str(_write(tmp, [long])),
+        _tokenizer(model),
+        _data_cfg(filter_overlong_prompts=False, truncation="error"),
+    )
     ds[0]
 
 
@@ -262,27 +269,67 @@ DATASET_CASES = [
     ("prompt_over_limit", _ds_prompt_too_long, ValueError, ["max_prompt_length"]),
     ("no_chat_template", _ds_no_chat_template, ValueError, ["chat template"]),
     ("no_files", _ds_no_files, ValueError, ["no parquet files"]),
-    ("dataset_not_on_disk", _ds_not_on_disk, FileNotFoundError,
-     ["data.train_files", "geometry3k@train", "does not exist", "no hub is contacted"]),
-    ("mm_undecodable_image", _mm_undecodable_image, ValueError,
-     ["bad.parquet row 0", "'images'[0]", "not a readable image"]),
-    ("mm_more_images_than_placeholders", _mm_more_images_than_placeholders, ValueError,
-     ["bad.parquet row 0", "2 image(s) in 'images' but 1 '<image>' placeholder"]),
-    ("mm_fewer_images_than_placeholders", _mm_fewer_images_than_placeholders, ValueError,
-     ["bad.parquet row 0", "1 image(s) in 'images' but 2 '<image>' placeholder"]),
-    ("mm_more_images_than_limit_images", _mm_over_limit_images, ValueError,
-     ["bad.parquet row 0", "2 images", "actor_rollout_ref.rollout.limit_images=1"]),
-    ("mm_image_file_missing", _mm_missing_image_file, ValueError,
-     ["bad.parquet row 0", "pics/nope.png", "does not exist"]),
-    ("mm_images_for_a_text_model", _mm_images_for_text_model, ValueError,
-     ["bad.parquet", "'images' (data.image_key)", "no image processor"]),
-    ("format_prompt_missing", _format_prompt_missing, FileNotFoundError,
-     ["data.format_prompt", "nope.jinja", "does not exist"]),
-    ("format_prompt_bad_syntax", _format_prompt_bad_syntax, ValueError,
-     ["data.format_prompt", "fmt.jinja line 2", "not a valid Jinja template"]),
-    ("format_prompt_does_not_render", _format_prompt_render_fails, ValueError,
-     ["bad.parquet row 0", "rendering data.format_prompt", "fmt.jinja", "TypeError"]),
-]  # fmt: skip
+    (
+        "dataset_not_on_disk",
+        _ds_not_on_disk,
+        FileNotFoundError,
+        ["data.train_files", "geometry3k@train", "does not exist", "no hub is contacted"],
+    ),
+    (
+        "mm_undecodable_image",
+        _mm_undecodable_image,
+        ValueError,
+        ["bad.parquet row 0", "'images'[0]", "not a readable image"],
+    ),
+    (
+        "mm_more_images_than_placeholders",
+        _mm_more_images_than_placeholders,
+        ValueError,
+        ["bad.parquet row 0", "2 image(s) in 'images' but 1 '<image>' placeholder"],
+    ),
+    (
+        "mm_fewer_images_than_placeholders",
+        _mm_fewer_images_than_placeholders,
+        ValueError,
+        ["bad.parquet row 0", "1 image(s) in 'images' but 2 '<image>' placeholder"],
+    ),
+    (
+        "mm_more_images_than_limit_images",
+        _mm_over_limit_images,
+        ValueError,
+        ["bad.parquet row 0", "2 images", "actor_rollout_ref.rollout.limit_images=1"],
+    ),
+    (
+        "mm_image_file_missing",
+        _mm_missing_image_file,
+        ValueError,
+        ["bad.parquet row 0", "pics/nope.png", "does not exist"],
+    ),
+    (
+        "mm_images_for_a_text_model",
+        _mm_images_for_text_model,
+        ValueError,
+        ["bad.parquet", "'images' (data.image_key)", "no image processor"],
+    ),
+    (
+        "format_prompt_missing",
+        _format_prompt_missing,
+        FileNotFoundError,
+        ["data.format_prompt", "nope.jinja", "does not exist"],
+    ),
+    (
+        "format_prompt_bad_syntax",
+        _format_prompt_bad_syntax,
+        ValueError,
+        ["data.format_prompt", "fmt.jinja line 2", "not a valid Jinja template"],
+    ),
+    (
+        "format_prompt_does_not_render",
+        _format_prompt_render_fails,
+        ValueError,
+        ["bad.parquet row 0", "rendering data.format_prompt", "fmt.jinja", "TypeError"],
+    ),
+]
 
 
 # --------------------------------------------------------------------------- HF checkpoints
@@ -375,8 +422,11 @@ CKPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fn, exc, words", [c[1:] for c in DATASET_CASES + HF_CASES + CKPT_CASES],
-                         ids=[c[0] for c in DATASET_CASES + HF_CASES + CKPT_CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "fn, exc, words",
+    [c[1:] for c in DATASET_CASES + HF_CASES + CKPT_CASES],
+    ids=[c[0] for c in DATASET_CASES + HF_CASES + CKPT_CASES],
+)
 def test_input_refused(tiny_run_inputs, tmp_path, fn, exc, words):
     with pytest.raises(exc) as info:
         fn(tmp_path, tiny_run_inputs["model"])

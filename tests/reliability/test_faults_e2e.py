@@ -66,8 +66,9 @@ def test_same_seed_gives_bit_identical_metrics(tiny_run_inputs, tmp_path, refere
 def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inputs, tmp_path, reference_run):
     run = tmp_path / "run"
     start = time.monotonic()
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
-                              env={"RLHF_FAULT": "update:2:1"})  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": "update:2:1"}
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "[actor] rank 1" in proc.stderr and "process died during update_actor" in proc.stderr, proc.stderr[
@@ -88,8 +89,9 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
 ):
     run = tmp_path / "run"
     start, shm_before = time.monotonic(), _shm()
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
-                              env={"RLHF_FAULT": fault})  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": fault}
+    )
     assert proc.returncode != 0
     assert f"[actor] rank {rank}" in proc.stderr and f"process died during {method}" in proc.stderr, (
         proc.stderr[-3000:]
@@ -110,8 +112,9 @@ def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(
     tiny_run_inputs, tmp_path, reference_run
 ):
     run = tmp_path / "run"
-    proc, _ = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA),
-                        env={"RLHF_FAULT": "save:2"})  # fmt: skip
+    proc, _ = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": "save:2"}
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
     partial = run / ".global_step_2.tmp"
     assert list(partial.glob("actor/state_rank*.pt")), "the workers had written step 2's files"
@@ -155,8 +158,9 @@ def test_disk_full_during_save_fails_loudly_and_keeps_previous_checkpoint(
     mnt = tmp_path / "small"
     mnt.mkdir()
     size_kb = int(ckpt_bytes * 1.5 / 1024) + 512  # one checkpoint fits, two do not
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -174,8 +178,9 @@ def test_disk_full_during_save_fails_loudly_and_keeps_previous_checkpoint(
 
 
 def test_nan_loss_stops_the_run_naming_role_rank_and_step(tiny_run_inputs, tmp_path):
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run"),
-                              env={"RLHF_FAULT": "nan:1"})  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run"), env={"RLHF_FAULT": "nan:1"}
+    )
     assert proc.returncode != 0 and records == []
     assert "NonFiniteGradientError" in proc.stderr and "step 1: gradients hold NaN/inf" in proc.stderr
     assert "[actor] rank" in proc.stderr and "trainer.nan_policy=skip" in proc.stderr
@@ -184,9 +189,10 @@ def test_nan_loss_stops_the_run_naming_role_rank_and_step(tiny_run_inputs, tmp_p
 
 def test_nan_loss_is_skipped_and_counted_with_nan_policy_skip(tiny_run_inputs, tmp_path):
     proc, records = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run", **{"trainer.nan_policy": "skip"}),
+        "quickstart_cpu",
+        train_overrides(tiny_run_inputs, tmp_path / "run", **{"trainer.nan_policy": "skip"}),
         env={"RLHF_FAULT": "nan:1"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = records
     # 8 prompts / ppo_mini_batch_size 4 = 2 optimizer steps per update, both dropped at step 1.
@@ -203,8 +209,11 @@ PPO = {
 
 
 def test_critic_nan_loss_stops_the_run_before_any_update_or_checkpoint(tiny_run_inputs, tmp_path):
-    proc, records = run_train("quickstart_cpu_ppo", train_overrides(tiny_run_inputs, tmp_path / "run", **PPO),
-                              env={"RLHF_FAULT": "critic_nan:1"})  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu_ppo",
+        train_overrides(tiny_run_inputs, tmp_path / "run", **PPO),
+        env={"RLHF_FAULT": "critic_nan:1"},
+    )
     assert proc.returncode != 0 and records == []
     assert "NonFiniteGradientError" in proc.stderr and "step 1: gradients hold NaN/inf" in proc.stderr
     assert "[critic] rank" in proc.stderr and "update_critic raised" in proc.stderr, proc.stderr[-3000:]
@@ -213,8 +222,11 @@ def test_critic_nan_loss_stops_the_run_before_any_update_or_checkpoint(tiny_run_
 
 def test_critic_nan_loss_is_skipped_and_counted_and_the_critic_stays_finite(tiny_run_inputs, tmp_path):
     run = tmp_path / "run"
-    proc, records = run_train("quickstart_cpu_ppo", train_overrides(tiny_run_inputs, run, **PPO,
-                              **{"trainer.nan_policy": "skip"}), env={"RLHF_FAULT": "critic_nan:1"})  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu_ppo",
+        train_overrides(tiny_run_inputs, run, **PPO, **{"trainer.nan_policy": "skip"}),
+        env={"RLHF_FAULT": "critic_nan:1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = records
     # 8 prompts x n=1 / ppo_mini_batch_size 4 = 2 critic optimizer steps at step 1, both dropped.
@@ -253,9 +265,17 @@ def hangs_then_nan_then_raises(data_source, solution_str, ground_truth, extra_in
 
 def test_reward_function_that_raises_stops_the_run_naming_function_and_row(tiny_run_inputs, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD_FNS)
-    proc, records = run_train("quickstart_cpu", train_overrides(
-        tiny_run_inputs, tmp_path / "run", **{"custom_reward_function.path": tmp_path / "rewards.py",
-                                              "custom_reward_function.name": "always_raises"}))  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu",
+        train_overrides(
+            tiny_run_inputs,
+            tmp_path / "run",
+            **{
+                "custom_reward_function.path": tmp_path / "rewards.py",
+                "custom_reward_function.name": "always_raises",
+            },
+        ),
+    )
     assert proc.returncode != 0 and records == []
     assert re.search(r"reward function always_raises .*raised on row 0 .*ValueError: boom", proc.stderr), (
         proc.stderr[-3000:]
@@ -265,11 +285,21 @@ def test_reward_function_that_raises_stops_the_run_naming_function_and_row(tiny_
 def test_reward_hang_nan_and_error_are_zeroed_counted_and_bounded(tiny_run_inputs, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD_FNS)
     start = time.monotonic()
-    proc, records = run_train("quickstart_cpu", train_overrides(
-        tiny_run_inputs, tmp_path / "run", **{
-            "custom_reward_function.path": tmp_path / "rewards.py",
-            "custom_reward_function.name": "hangs_then_nan_then_raises", "reward.on_error": "zero",
-            "reward.num_workers": 1, "reward.timeout_s": 3, "trainer.total_training_steps": 1}))  # fmt: skip
+    proc, records = run_train(
+        "quickstart_cpu",
+        train_overrides(
+            tiny_run_inputs,
+            tmp_path / "run",
+            **{
+                "custom_reward_function.path": tmp_path / "rewards.py",
+                "custom_reward_function.name": "hangs_then_nan_then_raises",
+                "reward.on_error": "zero",
+                "reward.num_workers": 1,
+                "reward.timeout_s": 3,
+                "trainer.total_training_steps": 1,
+            },
+        ),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert time.monotonic() - start < BOUND_S, "a hanging reward function must not hang the run"
     (record,) = records

@@ -17,8 +17,17 @@ pytestmark = pytest.mark.slow
 def tiny(tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2, hidden_size=128,
-                                  num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    return str(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("tiny"),
+            "llama",
+            num_layers=2,
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        )
+    )
 
 
 def _nan_step(rank, world, model, tp):
@@ -46,8 +55,13 @@ def _nan_step(rank, world, model, tp):
         total_steps=10,
     )
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    batch = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
     micros = split_micro_batches(batch, ("input_ids", "attention_mask", "position_ids"), 2)
 
     def loss(poison):
@@ -73,11 +87,15 @@ def _nan_step(rank, world, model, tp):
     good = engine.train_step(micros, loss(False), "stop", f"[actor] rank {rank} step 3")
     return {
         "replicated": engine.grads_replicated,
-        "skipped": skipped["nan_skipped"], "update_ok": skipped["update_ok"],
-        "unchanged_after_skip": torch.equal(before, after_skip), "unchanged_after_stop": torch.equal(before, after_stop),
-        "lr_steps_after_skips": lr_steps_after_skips, "stop_error": stop_error,
-        "good_step_changed": not torch.equal(before, params()), "good_ok": good["update_ok"],
-    }  # fmt: skip
+        "skipped": skipped["nan_skipped"],
+        "update_ok": skipped["update_ok"],
+        "unchanged_after_skip": torch.equal(before, after_skip),
+        "unchanged_after_stop": torch.equal(before, after_stop),
+        "lr_steps_after_skips": lr_steps_after_skips,
+        "stop_error": stop_error,
+        "good_step_changed": not torch.equal(before, params()),
+        "good_ok": good["update_ok"],
+    }
 
 
 @pytest.mark.parametrize("tp", [2, 1])

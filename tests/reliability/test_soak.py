@@ -29,8 +29,14 @@ OWN_KEYS = ("trainer.default_local_dir=", "trainer.total_training_steps=")  # se
 
 def _soak(inputs, run_dir, env=None):
     overrides = [o for o in train_overrides(inputs, run_dir) if not o.startswith(OWN_KEYS)]
-    proc = subprocess.run([*SOAK, *ARGS, "--run-dir", str(run_dir), "--", *overrides], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [*SOAK, *ARGS, "--run-dir", str(run_dir), "--", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -94,8 +94,13 @@ def _vllm_generate_and_refit(rank, world_size, model_path):
     hf_engine = build_rollout_engine("hf", model_path, RolloutConfig(), pad_token_id=0, eos_token_id=2)
     hf_engine.update_weights((n, p.detach().clone()) for n, p in hf.named_parameters())
     hf_greedy = hf_engine.generate_sequences(_prompt_batch(PROMPTS), greedy)["responses"]
-    return {"out": out, "err_before": err_before, "err_after": err_after, "greedy": (vllm_greedy, hf_greedy),
-            "partial": partial}  # fmt: skip
+    return {
+        "out": out,
+        "err_before": err_before,
+        "err_after": err_after,
+        "greedy": (vllm_greedy, hf_greedy),
+        "partial": partial,
+    }
 
 
 def _vllm_partial_rollout(engine, hf):
@@ -122,9 +127,14 @@ def _vllm_partial_rollout(engine, hf):
     engine.update_weights((n, p.detach().clone()) for n, p in hf.named_parameters())
     done = engine.continue_sequences(cut, sampling)
     return {
-        "plain": plain, "never": never, "cut": cut, "done": done, "unfinished_key": UNFINISHED_KEY,
-        "old_lp": _hf_log_probs(old, done), "new_lp": _hf_log_probs(hf, done),
-    }  # fmt: skip
+        "plain": plain,
+        "never": never,
+        "cut": cut,
+        "done": done,
+        "unfinished_key": UNFINISHED_KEY,
+        "old_lp": _hf_log_probs(old, done),
+        "new_lp": _hf_log_probs(hf, done),
+    }
 
 
 @pytest.mark.slow

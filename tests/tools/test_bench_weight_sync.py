@@ -17,14 +17,42 @@ import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_weight_sync.py"
 TINY = [
-    "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--vocab", "512",
-    "--experts", "4", "--top-k", "2", "--expert-ffn", "64",
-]  # fmt: skip
+    "--layers",
+    "2",
+    "--hidden",
+    "256",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "512",
+    "--experts",
+    "4",
+    "--top-k",
+    "2",
+    "--expert-ffn",
+    "64",
+]
 RUN_FIELDS = (
-    "tp", "ep", "world_size", "load_format", "seconds", "floor_s", "total_over_floor", "copy_bandwidth_gb_per_s",
-    "first_touch_gb_per_s", "peak_extra_bytes", "peak_bucket_bytes", "largest_tensor_bytes", "buckets",
-    "warmup_total_s", "torch_threads_per_rank", "vllm_dtype", "ranks",
-)  # fmt: skip
+    "tp",
+    "ep",
+    "world_size",
+    "load_format",
+    "seconds",
+    "floor_s",
+    "total_over_floor",
+    "copy_bandwidth_gb_per_s",
+    "first_touch_gb_per_s",
+    "peak_extra_bytes",
+    "peak_bucket_bytes",
+    "largest_tensor_bytes",
+    "buckets",
+    "warmup_total_s",
+    "torch_threads_per_rank",
+    "vllm_dtype",
+    "ranks",
+)
 SECONDS = ("plan_s", "gather_s", "broadcast_s", "convert_s", "generator_s", "load_s", "total_s")
 
 

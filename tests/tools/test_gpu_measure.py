@@ -31,8 +31,11 @@ def test_measure_script_tiny_on_cpu(tmp_path):
     out = tmp_path / "m.json"
     proc = subprocess.run(
         [sys.executable, "tools/gpu/measure.py", "--tiny", "--skip-tests", "--steps", "1", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     errors = {k: v["error"] for k, v in result.items() if isinstance(v, dict) and "error" in v}
@@ -50,8 +53,11 @@ def test_measure_script_tiny_on_cpu(tmp_path):
     out.write_text(json.dumps(result))
     replan = subprocess.run(
         [sys.executable, "tools/gpu/measure.py", "--replan", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert replan.returncode == 0, replan.stderr[-3000:]
     planner = json.loads(out.read_text())["planner"]
     assert planner["recomputed"]["how"].startswith("tools/gpu/measure.py --replan")

@@ -14,9 +14,21 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"
 
 # Few steps and small eval sets keep a build to a few seconds on 2 cores.
 FAST = [
-    "--steps", "10", "--eval-every", "5", "--train-size", "64", "--test-size", "40",
-    "--probe-size", "40", "--samples-per-prompt", "2", "--batch-size", "32",
-]  # fmt: skip
+    "--steps",
+    "10",
+    "--eval-every",
+    "5",
+    "--train-size",
+    "64",
+    "--test-size",
+    "40",
+    "--probe-size",
+    "40",
+    "--samples-per-prompt",
+    "2",
+    "--batch-size",
+    "32",
+]
 
 
 @pytest.fixture(scope="module")

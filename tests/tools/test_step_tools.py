@@ -27,14 +27,28 @@ ROOT = ("<module>", "Worker.main_loop")
     "stack, phase",
     [
         # a colocated generation runs its batch's reference pass in its own call: that is the ref pass
-        ((*ROOT, "ActorRolloutRefWorker.generate_sequences", "ActorRolloutRefWorker.compute_ref_log_prob",
-          "MegatronEngine.run"), "compute_ref_log_prob"),
-        ((*ROOT, "ActorRolloutRefWorker.generate_sequences", "VLLMEngine.generate_sequences", "LLM.generate"),
-         "generate_sequences"),
+        (
+            (
+                *ROOT,
+                "ActorRolloutRefWorker.generate_sequences",
+                "ActorRolloutRefWorker.compute_ref_log_prob",
+                "MegatronEngine.run",
+            ),
+            "compute_ref_log_prob",
+        ),
+        (
+            (
+                *ROOT,
+                "ActorRolloutRefWorker.generate_sequences",
+                "VLLMEngine.generate_sequences",
+                "LLM.generate",
+            ),
+            "generate_sequences",
+        ),
         ((*ROOT, "ActorRolloutRefWorker.update_actor", "MegatronEngine.train_step"), "update_actor"),
         ((*ROOT, "Worker.poll"), "other"),
     ],
-)  # fmt: skip
+)
 def test_worker_samples_go_to_the_innermost_phase(stack, phase):
     assert _load("profile_step")._phase(_frames(*stack), driver=False) == phase
 

@@ -39,7 +39,7 @@ def one_step_off(tiny_run_inputs, tmp_path_factory):
             "trainer.rollout_mode": "one_step_off",
             "trainer.total_training_steps": 4,
             "trainer.save_freq": 2,
-        },  # fmt: skip
+        },
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run, records
@@ -70,8 +70,11 @@ def test_one_step_off_with_staleness_zero_on_its_own_pool_reproduces_the_colocat
     pools, one_step_off forced to staleness 0, is bit for bit the default colocated run (vLLM TP=2
     inside the actor's processes: the shared reference run, same steps and checkpoints)."""
     colocated = reference_run[1]
-    own_pool = {**DISAGGREGATED, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
-                "actor_rollout_ref.rollout.n_gpus_per_node": 2}  # fmt: skip
+    own_pool = {
+        **DISAGGREGATED,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+        "actor_rollout_ref.rollout.n_gpus_per_node": 2,
+    }
     forced = {"trainer.rollout_mode": "one_step_off", "trainer.max_staleness": 0, **REFERENCE_STEPS}
     proc, disaggregated = run_train(
         "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "zero", **own_pool, **forced)
@@ -137,7 +140,7 @@ def test_rollout_worker_killed_mid_generation_is_reported_by_name(tiny_run_input
         tiny_run_inputs,
         tmp_path / "run",
         env={"RLHF_FAULT": "rollout_gen:2"},
-        **{"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3},  # fmt: skip
+        **{"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3},
     )
     assert proc.returncode != 0
     assert "[rollout] rank 0" in proc.stderr and "process died during generate_sequences" in proc.stderr, (

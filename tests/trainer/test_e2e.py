@@ -20,8 +20,17 @@ def _check_step(record, use_critic, bypass=False):
     else:
         # fp32 on CPU: vLLM's log-probs of its samples equal the Megatron actor's (same weights)
         assert record["training/rollout_probs_diff_max"] < 1e-4 and record["training/rollout_actor_kl"] < 1e-6
-    for key in ("critic/score/mean", "actor/entropy", "actor/ppo_kl", "actor/lr", "prompt_length/mean",
-                "perf/throughput", "perf/mfu", "timing_s/gen", "timing_s/update_actor"):  # fmt: skip
+    for key in (
+        "critic/score/mean",
+        "actor/entropy",
+        "actor/ppo_kl",
+        "actor/lr",
+        "prompt_length/mean",
+        "perf/throughput",
+        "perf/mfu",
+        "timing_s/gen",
+        "timing_s/update_actor",
+    ):
         assert key in record, key
     if use_critic:
         assert math.isfinite(record["critic/vf_loss"]) and "critic/values/mean" in record
@@ -63,8 +72,11 @@ def _stable(records):
 def test_interrupted_and_resumed_run_matches_uninterrupted(tiny_run_inputs, tmp_path, reference_run):
     extra = REFERENCE_STEPS
     # Pre-empted after step 1 (its checkpoint is on disk), then restarted with resume_mode=auto.
-    proc, first = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "b", **extra),
-                            env={"RLHF_STOP_AFTER_STEP": "1"})  # fmt: skip
+    proc, first = run_train(
+        "quickstart_cpu",
+        train_overrides(tiny_run_inputs, tmp_path / "b", **extra),
+        env={"RLHF_STOP_AFTER_STEP": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in first] == [1]
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "b", **extra))

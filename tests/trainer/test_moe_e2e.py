@@ -51,10 +51,22 @@ def test_moe_preset_trains_with_routing_replay_and_exports(tiny_run_inputs, tiny
         assert {"actor/moe_expert_load_max/layer_0", "actor/moe_expert_load_max/layer_1"} <= set(r)
     export = tmp_path / "hf"
     out = subprocess.run(
-        [sys.executable, "-m", "rlhf_megatron.cli", "convert", "mcore-to-hf",
-         "--ckpt", str(run / "global_step_2" / "actor"), "--out", str(export)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlhf_megatron.cli",
+            "convert",
+            "mcore-to-hf",
+            "--ckpt",
+            str(run / "global_step_2" / "actor"),
+            "--out",
+            str(export),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     from safetensors import safe_open
 

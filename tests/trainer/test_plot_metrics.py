@@ -9,14 +9,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools/plot_metrics.py"), *map(str, args)],
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools/plot_metrics.py"), *map(str, args)], capture_output=True, text=True
+    )
 
 
 def test_plot_writes_png(tmp_path):
-    rows = [{"step": s, "critic/score/mean": s / 10, "val/reward_mean": s / 9, "actor/ppo_kl": 0.01,
-             "response_length/mean": 5 + s, "timing_s/step": 1.0, "timing_s/gen": 0.5,
-             "timing_s/update_actor": 0.3} for s in range(1, 5)]  # fmt: skip
+    rows = [
+        {
+            "step": s,
+            "critic/score/mean": s / 10,
+            "val/reward_mean": s / 9,
+            "actor/ppo_kl": 0.01,
+            "response_length/mean": 5 + s,
+            "timing_s/step": 1.0,
+            "timing_s/gen": 0.5,
+            "timing_s/update_actor": 0.3,
+        }
+        for s in range(1, 5)
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     proc = _run(tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -48,8 +59,14 @@ def test_timeline_records_add_a_gantt_panel_and_old_runs_keep_their_layout(tmp_p
     old_png = plot(rows, tmp_path / "old.png")
     for r in rows:  # one-step-off: batch k+1 generated while the trainer updates on batch k
         k = r["step"]
-        r.update({"timeline/rollout/gen/start_s": k - 0.5, "timeline/rollout/gen/end_s": k + 0.2,
-                  "timeline/trainer/update_actor/start_s": k, "timeline/trainer/update_actor/end_s": k + 0.9})  # fmt: skip
+        r.update(
+            {
+                "timeline/rollout/gen/start_s": k - 0.5,
+                "timeline/rollout/gen/end_s": k + 0.2,
+                "timeline/trainer/update_actor/start_s": k,
+                "timeline/trainer/update_actor/end_s": k + 0.9,
+            }
+        )
     spans = timeline_spans(rows)
     assert len(spans) == 6 and ("rollout", "gen", 3.5, 4.2) in spans  # the last 3 steps
     fig = build_figure(rows)

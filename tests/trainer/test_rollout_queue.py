@@ -42,8 +42,9 @@ class _Rollout:
 
 
 def _scheduler(rollout, prompts, staleness, total, critic_warmup=0, partial=False):
-    return RolloutScheduler(rollout, prompts, staleness, total_steps=total, critic_warmup=critic_warmup,
-                            partial=partial)  # fmt: skip
+    return RolloutScheduler(
+        rollout, prompts, staleness, total_steps=total, critic_warmup=critic_warmup, partial=partial
+    )
 
 
 def _prompts():
@@ -68,9 +69,16 @@ def _simulate(staleness, total=5, critic_warmup=0, prefetch=False):
 def test_staleness_zero_is_the_sync_schedule():
     events, lags = _simulate(0, total=3)
     assert events == [
-        ("gen", 1, 0), ("update", 1), ("sync", 1), ("gen", 2, 1), ("update", 2), ("sync", 2),
-        ("gen", 3, 2), ("update", 3), ("sync", 3),
-    ]  # fmt: skip
+        ("gen", 1, 0),
+        ("update", 1),
+        ("sync", 1),
+        ("gen", 2, 1),
+        ("update", 2),
+        ("sync", 2),
+        ("gen", 3, 2),
+        ("update", 3),
+        ("sync", 3),
+    ]
     assert lags == [0, 0, 0]
 
 
@@ -191,8 +199,12 @@ class _Running:
 
     def result(self):
         cut = self.rollout.epoch > self.epoch
-        return Batch.from_dict({VERSION_KEY: torch.full((self.rows,), self.version),
-                                UNFINISHED_KEY: torch.full((self.rows,), cut)})  # fmt: skip
+        return Batch.from_dict(
+            {
+                VERSION_KEY: torch.full((self.rows,), self.version),
+                UNFINISHED_KEY: torch.full((self.rows,), cut),
+            }
+        )
 
 
 class _PartialRollout(_Rollout):

@@ -13,20 +13,69 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 # Whole words of the countdown prompt become single tokens of the tiny tokenizer, so the
 # prompt fits the seed's max_prompt_length=256 (the character-level default would not).
-PROMPT_WORDS = ("Using ", "numbers ", "write ", "equation ", "equals ", "You ", "may ", "use ", "and ",
-                "parentheses", "must ", "every ", "number ", "exactly ", "once", "Reason ", "inside ", "tags",
-                "then ", "give ", "only ", "the ", "for ", "example ", "<think>", "</think>", "an ")  # fmt: skip
+PROMPT_WORDS = (
+    "Using ",
+    "numbers ",
+    "write ",
+    "equation ",
+    "equals ",
+    "You ",
+    "may ",
+    "use ",
+    "and ",
+    "parentheses",
+    "must ",
+    "every ",
+    "number ",
+    "exactly ",
+    "once",
+    "Reason ",
+    "inside ",
+    "tags",
+    "then ",
+    "give ",
+    "only ",
+    "the ",
+    "for ",
+    "example ",
+    "<think>",
+    "</think>",
+    "an ",
+)
 
 
 def test_tinyzero_seed_command_runs_one_step(tmp_path):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
     data = tmp_path / "countdown"
-    subprocess.run([sys.executable, str(ROOT / "tools/data/countdown.py"), "--output-dir", str(data),
-                    "--train-size", "256", "--test-size", "16", "--seed", "0"], check=True, capture_output=True)  # fmt: skip
-    model = make_tiny_hf_model(tmp_path / "base", "qwen2", num_layers=2, hidden_size=128, num_heads=2,
-                               num_kv_heads=2, head_dim=64, ffn_hidden_size=256, max_position_embeddings=2048,
-                               extra_words=PROMPT_WORDS)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools/data/countdown.py"),
+            "--output-dir",
+            str(data),
+            "--train-size",
+            "256",
+            "--test-size",
+            "16",
+            "--seed",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    model = make_tiny_hf_model(
+        tmp_path / "base",
+        "qwen2",
+        num_layers=2,
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=64,
+        ffn_hidden_size=256,
+        max_position_embeddings=2048,
+        extra_words=PROMPT_WORDS,
+    )
     command = f"""
         data.train_files={data}/train.parquet data.val_files={data}/test.parquet data.train_batch_size=256
         data.val_batch_size=1312 data.max_prompt_length=256 data.max_response_length=1024
@@ -41,8 +90,12 @@ def test_tinyzero_seed_command_runs_one_step(tmp_path):
     """.split()
     run_dir = tmp_path / "run"
     overrides = [*command, f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf_megatron.train", "--dry-run", *command], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_megatron.train", "--dry-run", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, records = run_train(None, overrides, timeout=1200, own_ray=True)  # as its users run it
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -78,14 +78,19 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
     hf_syncer = make_syncer(arch, chunks, info, groups, rollout_tp, "hf")
     hf_tensors = {n: t.clone() for n, t in hf_syncer.iter_weights()}
     hf_mismatch = sorted(
-        n for n in set(hf_tensors) | set(reference)
+        n
+        for n in set(hf_tensors) | set(reference)
         if n not in hf_tensors or n not in reference or not torch.equal(hf_tensors[n], reference[n])
-    )  # fmt: skip
+    )
     sharded = {
         n: t.clone() for n, t in make_syncer(arch, chunks, info, groups, rollout_tp, "sharded").iter_weights()
     }
-    result = {"hf_mismatch": hf_mismatch, "hf_count": len(hf_tensors), "sharded_count": len(sharded),
-              "peak_bucket_bytes": hf_syncer.stats["peak_bucket_bytes"]}  # fmt: skip
+    result = {
+        "hf_mismatch": hf_mismatch,
+        "hf_count": len(hf_tensors),
+        "sharded_count": len(sharded),
+        "peak_bucket_bytes": hf_syncer.stats["peak_bucket_bytes"],
+    }
     if not with_vllm:
         return result
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -113,11 +118,15 @@ def conformance(rank, world_size, hf_dir, tp, pp, rollout_tp, with_vllm):
         # vLLM ties lm_head to embed_tokens: the embedding we send is what it uses.
         sharded.setdefault("lm_head.weight", sharded.get("model.embed_tokens.weight"))
     sharded_mismatch = sorted(
-        (n, tuple(t.shape), tuple(sharded[n].shape) if n in sharded else None,
-         float((sharded[n] - t).abs().max()) if n in sharded and sharded[n].shape == t.shape else None)
+        (
+            n,
+            tuple(t.shape),
+            tuple(sharded[n].shape) if n in sharded else None,
+            float((sharded[n] - t).abs().max()) if n in sharded and sharded[n].shape == t.shape else None,
+        )
         for n, t in from_checkpoint.items()
         if n not in sharded or sharded[n].shape != t.shape or not torch.equal(sharded[n], t)
-    )  # fmt: skip
+    )
     # Refit through the hf format: vLLM's loader must produce exactly the same per-rank tensors again.
     captured.clear()
     engine.update_weights(hf_syncer.iter_weights())

@@ -8,14 +8,30 @@ from rlhf_megatron.models.spec import expected_hf_shapes, expert_owner, local_to
 from rlhf_megatron.weights import TrainLayout, build_sync_plan
 
 QWEN2_MOE = dict(
-    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", hidden_size=256, intermediate_size=512,
-    moe_intermediate_size=64, shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], vocab_size=100,
-)  # fmt: skip
+    architectures=["Qwen2MoeForCausalLM"],
+    model_type="qwen2_moe",
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    vocab_size=100,
+)
 MIXTRAL = dict(
-    architectures=["MixtralForCausalLM"], hidden_size=256, intermediate_size=90, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, vocab_size=100,
-)  # fmt: skip
+    architectures=["MixtralForCausalLM"],
+    hidden_size=256,
+    intermediate_size=90,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    vocab_size=100,
+)
 
 
 def _arch(config) -> ModelArch:
@@ -23,16 +39,20 @@ def _arch(config) -> ModelArch:
 
 
 def test_every_expert_key_of_the_hf_checkpoint_is_planned_once():
-    for config, block, projs in ((QWEN2_MOE, "mlp", ("gate_proj", "up_proj", "down_proj")),
-                                 (MIXTRAL, "block_sparse_moe", ("w1", "w3", "w2"))):  # fmt: skip
+    for config, block, projs in (
+        (QWEN2_MOE, "mlp", ("gate_proj", "up_proj", "down_proj")),
+        (MIXTRAL, "block_sparse_moe", ("w1", "w3", "w2")),
+    ):
         arch = _arch(config)
         shapes = expected_hf_shapes(arch)
         experts = {n for n in shapes if ".experts." in n}
         sparse = [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
         assert experts == {
-            f"model.layers.{i}.{block}.experts.{e}.{p}.weight" for i in sparse for e in range(arch.moe.num_experts)
+            f"model.layers.{i}.{block}.experts.{e}.{p}.weight"
+            for i in sparse
+            for e in range(arch.moe.num_experts)
             for p in projs
-        }  # fmt: skip
+        }
         plan = build_sync_plan(arch, TrainLayout(1, 2, ep_size=2), 2, "hf", bucket_bytes=1 << 20)
         targets = [t.name for tr in plan.transfers for t in tr.targets]
         assert sorted(targets) == sorted(shapes) and len(targets) == len(set(targets))

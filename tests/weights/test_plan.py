@@ -12,10 +12,19 @@ from rlhf_megatron.weights.plan import vllm_kv_heads_per_rank
 
 def _arch(**kw):
     cfg = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=4, hidden_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=110,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=256,
-    )  # fmt: skip
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=110,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+    )
     cfg.update(kw)
     return ModelArch.from_hf_config(cfg)
 

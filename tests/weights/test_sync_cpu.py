@@ -24,12 +24,33 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("sync_models")
     return {
-        "llama_kv1": str(make_tiny_hf_model(root / "llama_kv1", "llama", num_layers=2, num_heads=2, num_kv_heads=1)),
-        "llama_kv2": str(make_tiny_hf_model(root / "llama_kv2", "llama", num_layers=4, num_heads=4, num_kv_heads=2,
-                                            hidden_size=128, seed=1)),
-        "qwen2_tied": str(make_tiny_hf_model(root / "qwen2", "qwen2", num_layers=2, num_heads=4, num_kv_heads=2, hidden_size=256,
-                                             tie_word_embeddings=True, seed=2)),
-    }  # fmt: skip
+        "llama_kv1": str(
+            make_tiny_hf_model(root / "llama_kv1", "llama", num_layers=2, num_heads=2, num_kv_heads=1)
+        ),
+        "llama_kv2": str(
+            make_tiny_hf_model(
+                root / "llama_kv2",
+                "llama",
+                num_layers=4,
+                num_heads=4,
+                num_kv_heads=2,
+                hidden_size=128,
+                seed=1,
+            )
+        ),
+        "qwen2_tied": str(
+            make_tiny_hf_model(
+                root / "qwen2",
+                "qwen2",
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                hidden_size=256,
+                tie_word_embeddings=True,
+                seed=2,
+            )
+        ),
+    }
 
 
 def _check(results, with_vllm):

@@ -17,8 +17,17 @@ pytestmark = pytest.mark.slow
 def tiny(tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2, hidden_size=128,
-                                  num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    return str(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("tiny"),
+            "llama",
+            num_layers=2,
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        )
+    )
 
 
 def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
@@ -38,8 +47,13 @@ def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
         return MegatronEngine(arch, ParallelConfig(2), model, megatron, OptimConfig(lr=1e-3), total_steps=10)
 
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    batch = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
 
     def step(engine):
         micros = split_micro_batches(batch, ("input_ids", "attention_mask", "position_ids"), 2)

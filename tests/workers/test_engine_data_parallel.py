@@ -16,8 +16,17 @@ pytestmark = pytest.mark.slow
 def tiny(tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2, hidden_size=128,
-                                  num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    return str(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("tiny"),
+            "llama",
+            num_layers=2,
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        )
+    )
 
 
 def _train(rank, world, model, dist_opt):
@@ -33,8 +42,13 @@ def _train(rank, world, model, dist_opt):
     megatron = MegatronConfig(params_dtype="float32", use_distributed_optimizer=dist_opt)
     engine = MegatronEngine(arch, ParallelConfig(), model, megatron, OptimConfig(lr=1e-3), total_steps=10)
     ids = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(0))
-    full = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                            "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    full = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
     mine = full.chunk(info.dp_size)[info.dp_rank]
     norms = []
     for _ in range(2):
@@ -77,8 +91,13 @@ def _train_tp(rank, world, model, sequence_parallel):
         total_steps=10,
     )
     ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(0))
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    batch = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
 
     def loss_fn(logits, micro):
         logp = vocab_parallel_log_probs(logits[:, :-1], micro["input_ids"][:, 1:], arch.vocab_size)

@@ -36,8 +36,13 @@ def _round_trip(rank, world, model, tmp):
     arch = ModelArch.from_hf_dir(model)
     parallel = ParallelConfig(expert_model_parallel_size=2)
     ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(rank))
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                             "position_ids": torch.arange(12).expand(4, -1)})  # fmt: skip
+    batch = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
 
     def step(engine):
         micros = split_micro_batches(batch, ("input_ids", "attention_mask", "position_ids"), 2)

@@ -20,8 +20,17 @@ P, R, N = 8, 6, 4  # prompt width, response width, responses per prompt
 def tiny(tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama", num_layers=2, hidden_size=128,
-                                  num_heads=2, num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    return str(
+        make_tiny_hf_model(
+            tmp_path_factory.mktemp("tiny"),
+            "llama",
+            num_layers=2,
+            hidden_size=128,
+            num_heads=2,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        )
+    )
 
 
 def _rollout():
@@ -173,8 +182,17 @@ def test_sdpa_attention_equals_local_attention_with_gqa_packing_and_tp2_sequence
     and at TP=2 with sequence parallelism (one KV head per rank)."""
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    gqa = str(make_tiny_hf_model(tmp_path / "gqa", "llama", num_layers=2, hidden_size=128, num_heads=4,
-                                 num_kv_heads=2, ffn_hidden_size=256))  # fmt: skip
+    gqa = str(
+        make_tiny_hf_model(
+            tmp_path / "gqa",
+            "llama",
+            num_layers=2,
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=256,
+        )
+    )
     mask = _rollout()["response_mask"].bool()
     (local,) = run_on_ranks(_run, 1, gqa, True, False, "local", timeout_s=300)
     (sdpa,) = run_on_ranks(_run, 1, gqa, True, False, "sdpa", timeout_s=300)

@@ -24,10 +24,19 @@ def models(tmp_path_factory):
     # The reward model has its own tokenizer (an extra word shifts the vocabulary), so prompts and
     # responses must be decoded with the actor's tokenizer and re-tokenized for it.
     tok = build_tiny_tokenizer(extra_words=("Answer",))
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                      head_dim=64, num_labels=1, pad_token_id=tok.pad_token_id,
-                                      max_position_embeddings=128, rms_norm_eps=1e-6)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(0)
     rm = transformers.LlamaForSequenceClassification(config).eval()
     rm.save_pretrained(root / "rm", safe_serialization=True)
@@ -63,8 +72,10 @@ def test_reward_model_scores_match_transformers(models):
     for i, row in enumerate(ids):
         input_ids[i, width - len(row) :] = torch.tensor(row)
         mask[i, width - len(row) :] = 1
-    batch = Batch.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
-                            {"raw_prompt": [[{"role": "user", "content": p}] for p in prompts]})  # fmt: skip
+    batch = Batch.from_dict(
+        {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        {"raw_prompt": [[{"role": "user", "content": p}] for p in prompts]},
+    )
     responses = [
         actor_tok(c, add_special_tokens=False).input_ids + [actor_tok.eos_token_id] for c in completions
     ]
@@ -72,11 +83,19 @@ def test_reward_model_scores_match_transformers(models):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = load_config("quickstart_cpu", [
-            f"actor_rollout_ref.model.path={actor_path}", "reward_model.enable=true", f"reward_model.model.path={rm_path}",
-            f"reward_model.model.input_tokenizer={actor_path}", "reward_model.megatron.tensor_model_parallel_size=2",
-            "reward_model.megatron.params_dtype=float32", "reward_model.micro_batch_size_per_gpu=4",
-        ], validate=False)  # fmt: skip
+        cfg = load_config(
+            "quickstart_cpu",
+            [
+                f"actor_rollout_ref.model.path={actor_path}",
+                "reward_model.enable=true",
+                f"reward_model.model.path={rm_path}",
+                f"reward_model.model.input_tokenizer={actor_path}",
+                "reward_model.megatron.tensor_model_parallel_size=2",
+                "reward_model.megatron.params_dtype=float32",
+                "reward_model.micro_batch_size_per_gpu=4",
+            ],
+            validate=False,
+        )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         pool = ResourcePool("rm", [2])

@@ -79,9 +79,14 @@ def _replay_cases(rank, world, model):
         params_dtype="float32", use_distributed_optimizer=False, expert_model_parallel_size=2
     )
     engine = MegatronEngine(
-        arch, ParallelConfig(expert_model_parallel_size=2), model, megatron, OptimConfig(lr=1e-2),
-        total_steps=10, routing_replay=True,
-    )  # fmt: skip
+        arch,
+        ParallelConfig(expert_model_parallel_size=2),
+        model,
+        megatron,
+        OptimConfig(lr=1e-2),
+        total_steps=10,
+        routing_replay=True,
+    )
     batch = _batch(rank)
     valid = batch["attention_mask"].bool()
     experts, k = arch.moe.num_experts, arch.moe.top_k

@@ -130,9 +130,15 @@ def env_info(cuda: bool) -> dict:
         info.update(device=p.name, multiprocessors=p.multi_processor_count, memory_gib=gib(p.total_memory))
         with contextlib.suppress(Exception):
             info["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,power.limit", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30,
-            ).stdout.strip()  # fmt: skip
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,clocks.max.sm,power.limit",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
     return info
 
 
@@ -149,9 +155,23 @@ def gpu_tests(out_dir: Path) -> dict:
     xml = out_dir / "gpu_tests.xml"
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "tests/gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     tests = {}
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
