@@ -20,8 +20,7 @@ import sys
 import pytest
 from trainer_helpers import ROOT, train_overrides
 
-# It measures RSS and sync time per step: nothing else may run beside it.
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.exclusive]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 SOAK = [sys.executable, str(ROOT / "tools" / "soak.py")]
 ARGS = ["--steps", "30", "--warmup", "15", "--max-rss-mb-per-step", "16"]
 OWN_KEYS = ("trainer.default_local_dir=", "trainer.total_training_steps=")  # set by soak.py itself
@@ -40,6 +39,7 @@ def _soak(inputs, run_dir, env=None):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.exclusive  # it bounds RSS and sync-time slopes: nothing else may run beside it
 def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
     proc, report = _soak(tiny_run_inputs, tmp_path / "run")
     assert proc.returncode == 0 and report["ok"] is True, report
@@ -52,6 +52,7 @@ def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
     assert steps == list(range(1, 31)), "30 steps over 8-batch epochs: total_training_steps wins"
 
 
+@pytest.mark.exclusive
 def test_soak_catches_a_memory_leak_and_a_slowing_weight_sync(tiny_run_inputs, tmp_path):
     env = {**os.environ, "RLHF_FAULT": "leak:32,sync_drift:20"}
     proc, report = _soak(tiny_run_inputs, tmp_path / "run", env)
