@@ -33,6 +33,8 @@ BASE = [
     "pillow>=10",
     "packaging>=24.2",
     "psutil>=5.9",
+    "pydantic>=2",  # rlhf_megatron.agent: the OpenAI tool schemas (verl's models)
+    "bm25s>=0.2",  # rlhf_megatron.agent.tools.search: BM25 over a local corpus, offline
 ]
 
 EXTRAS = {
