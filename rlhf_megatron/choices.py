@@ -38,7 +38,9 @@ __all__ = [
     "RolloutMode",
     "RolloutName",
     "RouterReplayMode",
+    "ToolCallFormat",
     "TransformerImpl",
+    "TruncateSide",
     "Truncation",
     "VERL_LOAD_FORMATS",
     "VerifyCheckpoint",
@@ -89,6 +91,18 @@ EngineMode = _choice(
     "EngineMode",
     ("sync", "async"),
     "``actor_rollout_ref.rollout.mode``: offline engine driven per batch, or server-style engine.",
+)
+ToolCallFormat = _choice(
+    "ToolCallFormat",
+    ("hermes",),
+    "``actor_rollout_ref.rollout.multi_turn.format``: how tool calls are written "
+    "(hermes: Qwen's ``<tool_call>{json}</tool_call>``).",
+)
+TruncateSide = _choice(
+    "TruncateSide",
+    ("left", "middle", "right"),
+    "``actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side``: which part of an overlong "
+    "tool response is kept: its head (left), head and tail (middle) or tail (right).",
 )
 LoadFormat = _choice(
     "LoadFormat",

@@ -174,10 +174,6 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 
 # Order matters: the first match wins, so specific (inert) patterns come before subtrees.
 IGNORED_KEYS: tuple[IgnoredKey, ...] = (
-    IgnoredKey(
-        "actor_rollout_ref.rollout.multi_turn.enable", "multi-turn rollout is not supported", (False,)
-    ),
-    IgnoredKey("actor_rollout_ref.rollout.multi_turn", "multi-turn rollout is not supported"),
     IgnoredKey("actor_rollout_ref.rollout.chat_scheduler", "async chat scheduling is not supported", (None,)),
     IgnoredKey("actor_rollout_ref.rollout.use_fire_sampling", "FIRE sampling is not supported", (False,)),
     IgnoredKey("reward_model.launch_reward_fn_async", "async reward functions are not supported", (False,)),

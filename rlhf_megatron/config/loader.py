@@ -206,12 +206,23 @@ def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
     return errors
 
 
+_VALUE_HINTS = {
+    ("actor_rollout_ref.rollout.name", "sglang"): (
+        "sglang is not an engine of this project: set actor_rollout_ref.rollout.name=vllm "
+        "(multi-turn tool rollouts run on vLLM too)"
+    ),
+}
+"""What to do about a value other frameworks accept here (verl's multi-turn scripts set sglang)."""
+
+
 def _rejected_value(key: str, value: Any, source: str, meta: KeyInfo | None, exc: Exception) -> str:
     """The message for a value OmegaConf refused: for a closed-choice key, the allowed values
     (OmegaConf's own "Invalid value ..., expected one of [...]" names neither key nor source)."""
     if meta is not None and meta.choices is not None:
         if not meta.list_of_choices:
-            return f"{key}={value!r} is not one of: {meta.choices_text()} ({source})"
+            hint = _VALUE_HINTS.get((key, value))
+            hint = f"; {hint}" if hint else ""
+            return f"{key}={value!r} is not one of: {meta.choices_text()} ({source}){hint}"
         if isinstance(value, (list, tuple)):
             bad = [v for v in value if v not in meta.choices]
             if bad:

@@ -19,10 +19,19 @@ interpolations (``"${...}"``) so a role follows another unless it is set;
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_megatron.choices import Dtype, EngineMode, LoadFormat, RolloutName, RouterReplayMode
+from rlhf_megatron.choices import (
+    Dtype,
+    EngineMode,
+    LoadFormat,
+    RolloutName,
+    RouterReplayMode,
+    ToolCallFormat,
+    TruncateSide,
+)
 from rlhf_megatron.config.checks import count_problems, name_problem, strategy_problem
 from rlhf_megatron.config.schema_model import (
     ACTOR_MEGATRON,
@@ -44,6 +53,7 @@ __all__ = [
     "CriticModelConfig",
     "MegatronConfig",
     "ModelConfig",
+    "MultiTurnConfig",
     "OptimConfig",
     "PolicyLossConfig",
     "RefConfig",
@@ -256,6 +266,74 @@ def _sampling_problems(key: str, temperature: float, top_p: float, top_k: int) -
 
 
 @dataclass
+class MultiTurnConfig:
+    """``actor_rollout_ref.rollout.multi_turn``: multi-turn rollouts with tools (verl's keys).
+
+    Each sample alternates assistant turns (sampled by the engine) with tool responses and, with an
+    interaction, user turns (appended through the chat template); ``response_mask`` covers the
+    assistant tokens only. ``rlhf_megatron/agent`` holds the tool protocol and the loop."""
+
+    enable: bool = False
+    """Run the rollout turn by turn with tools (and interactions) instead of one response per sample."""
+
+    max_assistant_turns: int | None = None
+    """Most assistant turns per sample; null: no limit but ``response_length``."""
+
+    max_user_turns: int | None = None
+    """Most user turns (tool or interaction responses) per sample; null: no limit but ``response_length``."""
+
+    max_parallel_calls: int = 1
+    """Tool calls of one assistant turn that are run; later ones in the same turn are dropped."""
+
+    max_tool_response_length: int = 256
+    """Characters of a tool response the model sees; longer ones are cut per ``tool_response_truncate_side``."""
+
+    tool_response_truncate_side: TruncateSide = TruncateSide.middle
+    """left keeps the head, right the tail, middle both halves."""
+
+    tool_config_path: str | None = None
+    """verl-format tool config YAML (``tools: [{class_name, config, tool_schema}]``); null: no tools."""
+
+    interaction_config_path: str | None = None
+    """verl-format interaction config YAML (``interaction: [{name, class_name, config}]``); null: none."""
+
+    format: ToolCallFormat = ToolCallFormat.hermes
+    """How the model writes tool calls."""
+
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call may take before its response becomes a timeout error (this project's key)."""
+
+    use_inference_chat_template: bool = False
+    """Accepted for verl compatibility: turns are always kept as the token ids the engine sampled."""
+
+    tokenization_sanity_check_mode: str = "strict"
+    """Accepted for verl compatibility (disable, strict, ignore_strippable); assistant tokens are never
+    re-tokenized here, so there is nothing to check."""
+
+    num_repeat_rollouts: int | None = None
+    """Accepted for verl compatibility; ``rollout.n`` sets the samples per prompt."""
+
+    def validate(self, key: str = "actor_rollout_ref.rollout.multi_turn") -> list[str]:
+        """Positive limits; a tool or interaction config file that exists."""
+        out = count_problems(
+            key,
+            {
+                "max_parallel_calls": self.max_parallel_calls,
+                "max_tool_response_length": self.max_tool_response_length,
+            },
+            {"max_assistant_turns": self.max_assistant_turns, "max_user_turns": self.max_user_turns},
+        )
+        if self.tool_timeout_s <= 0:
+            out.append(f"{key}.tool_timeout_s={self.tool_timeout_s} must be > 0 (seconds)")
+        if self.enable:
+            for name in ("tool_config_path", "interaction_config_path"):
+                path = getattr(self, name)
+                if path is not None and not os.path.isfile(os.path.expanduser(path)):
+                    out.append(f"{key}.{name}={path}: no such file; give the path of a verl-format YAML")
+        return out
+
+
+@dataclass
 class RolloutConfig:
     """``actor_rollout_ref.rollout``: response generation, colocated with the actor."""
 
@@ -356,6 +434,9 @@ class RolloutConfig:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
 
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools and interactions (off by default)."""
+
     nnodes: int = 1
     """Nodes of the rollout's own resource pool; used only when
     ``actor_rollout_ref.hybrid_engine`` is false (disaggregated placement)."""
@@ -383,7 +464,11 @@ class RolloutConfig:
                 f"{key}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1] "
                 "(a fraction of GPU memory)"
             )
-        return out + self.val_kwargs.validate(f"{key}.val_kwargs")
+        return (
+            out
+            + self.val_kwargs.validate(f"{key}.val_kwargs")
+            + self.multi_turn.validate(f"{key}.multi_turn")
+        )
 
 
 @dataclass

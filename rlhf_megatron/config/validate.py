@@ -16,6 +16,7 @@ Boundaries: reads the config, never changes it (``normalize.py`` does that after
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,51 @@ def check_rollout_placement(ctx: ValidationContext) -> list[str]:
     return out
 
 
+def check_multi_turn(ctx: ValidationContext) -> list[str]:
+    """Multi-turn rollouts run on vLLM, from the prompts' chat messages, whole (no partial rollout,
+    no replayed routes: both follow one response per sample)."""
+    run = ctx.run
+    arr = run.actor_rollout_ref
+    if not arr.rollout.multi_turn.enable:
+        return []
+    key, out = f"{ROLLOUT}.multi_turn.enable=true", []
+    if arr.rollout.name != "vllm":
+        out.append(
+            f"{key} needs {ROLLOUT}.name=vllm (it generates turn by turn); {ROLLOUT}.name={arr.rollout.name}"
+        )
+    if not run.data.return_raw_chat:
+        out.append(
+            f"{key} needs data.return_raw_chat=true: each prompt's chat messages are rendered again with the "
+            "tools' schemas (verl's multi-turn scripts set it too)"
+        )
+    if run.trainer.partial_rollout:
+        out.append(f"{key} cannot be combined with trainer.partial_rollout=true; turn one of them off")
+    if arr.actor.router_replay.mode == "R3":
+        out.append(
+            f"{key} cannot replay vLLM's routes (actor_rollout_ref.actor.router_replay.mode=R3): tool turns "
+            "have none; use R2"
+        )
+    return out + _tool_config_problems(arr.rollout.multi_turn)
+
+
+def _tool_config_problems(multi_turn) -> list[str]:
+    """Build the tools and interactions once here, on the driver: a missing class, a schema that is
+    not an OpenAI function schema or a duplicate name is refused before any worker starts (the
+    ``ToolConfigError`` names the file and the entry)."""
+    from rlhf_megatron.agent.config import ToolConfigError, load_interactions, load_tools
+
+    out = []
+    for name, load in (("tool_config_path", load_tools), ("interaction_config_path", load_interactions)):
+        path = getattr(multi_turn, name)
+        if path is None or not os.path.isfile(os.path.expanduser(path)):
+            continue  # MultiTurnConfig.validate reports a missing file
+        try:
+            load(os.path.expanduser(path))
+        except ToolConfigError as exc:
+            out.append(f"{ROLLOUT}.multi_turn.{name}: {exc}")
+    return out
+
+
 def check_group_estimator_n(ctx: ValidationContext) -> list[str]:
     """Group-baseline estimators need at least two responses per prompt."""
     estimator, n = ctx.run.algorithm.adv_estimator, ctx.run.actor_rollout_ref.rollout.n
@@ -186,6 +232,7 @@ def check_group_estimator_n(ctx: ValidationContext) -> list[str]:
 ALWAYS_RULES: tuple[Rule, ...] = (
     check_rollout_correction_engine,
     check_rollout_placement,
+    check_multi_turn,
     check_group_estimator_n,
     check_model_arch_matches_checkpoint,
 )

@@ -27,13 +27,24 @@ ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|system|>")
 # countdown and gsm8k scorers read them from decoded responses.
 MARKER_TOKENS = ("<answer>", "</answer>", "####")
 
-# `<|role|>content</s>` per message, then `<|assistant|>` when a reply is expected.
+# `<|role|>content</s>` per message, then `<|assistant|>` when a reply is expected. For tool use
+# (multi-turn rollouts, Qwen's hermes format): `tools=` adds `<|system|>tools: a, b</s>` first, an
+# assistant message's `tool_calls` follow its content as `<tool_call>{json}</tool_call>`, and a
+# tool message is a user turn `<|user|><tool_response>...</tool_response></s>`.
 TINY_CHAT_TEMPLATE = (
+    "{%- if tools -%}{{ '<|system|>tools: ' }}"
+    "{%- for tool in tools -%}{{ tool['function']['name'] if 'function' in tool else tool['name'] }}"
+    "{{ '' if loop.last else ', ' }}{%- endfor -%}{{ eos_token }}{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{ raise_exception('tiny chat template: unknown role ' + message['role']) }}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|user|><tool_response>' + message['content'] + '</tool_response>' + eos_token }}"
+    "{%- elif message['role'] in ['system', 'user', 'assistant'] -%}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{ '<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}"
+    "{%- endfor -%}{{ eos_token }}"
+    "{%- else -%}{{ raise_exception('tiny chat template: unknown role ' + message['role']) }}"
     "{%- endif -%}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
 )

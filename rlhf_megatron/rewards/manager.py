@@ -7,7 +7,9 @@ care which one it holds.
 `RewardManager` decodes each response (``responses`` ``[B, R]``, valid tokens from
 ``response_mask`` or the response part of ``attention_mask``, special tokens skipped), scores it
 with ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` and puts the
-score on the last valid response token. A scorer may return a float or a dict with ``"score"``
+score on the last valid response token (of a multi-turn trajectory: the last token the policy
+sampled, plus its tools' and interactions' rewards, ``tool_rewards``, as verl adds them). A scorer
+may return a float or a dict with ``"score"``
 plus extra values (logged as metrics and returned per row in ``RewardResult.extra``). EasyR1's
 scorers return ``{"overall", "format", "accuracy"}`` without ``"score"``: ``overall`` is then
 the score, and the batch means of those three are logged as ``reward/overall``,
@@ -267,6 +269,11 @@ class RewardManager(RewardFn):
                     extras_per_source[(source, key)].append(float(value))
 
         metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+        if "tool_rewards" in batch.tensor_keys:  # a multi-turn rollout's tools and interactions
+            tool = batch["tool_rewards"].float()
+            positions = (lengths - 1).clamp(min=0)
+            scores[torch.arange(len(batch)), positions] += tool
+            metrics["reward/tool_mean"] = float(tool.mean())
         for key in EASYR1_SCORE_KEYS:
             values = [v for (_, k), vs in extras_per_source.items() if k == key for v in vs]
             if values:

@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlhf_megatron.rewards import arith, boxed_math, countdown, easyr1, gsm8k
+from rlhf_megatron.rewards import arith, boxed_math, countdown, easyr1, gsm8k, tool_mult
 
 __all__ = [
     "CustomRewardFn",
@@ -50,6 +50,7 @@ _SCORERS: dict[str, Callable[..., float]] = {
     "DigitalLearningGmbH/MATH-lighteval": boxed_math.compute_score,
     "countdown": countdown.compute_score,
     "arith": arith.compute_score,
+    "tool_mult": tool_mult.compute_score,
 }
 
 # Scorers chosen by name (reward.score_fn) rather than by a row's data source; they return

@@ -29,6 +29,7 @@ fraction of device memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import zlib
@@ -405,6 +406,52 @@ class VLLMEngine:
             # The actor replays them (models.routing_replay).
             batch["routed_experts"] = assemble_routes(routes, lengths, width, sampling.response_length)
         return batch
+
+    # ------------------------------------------------------------------ multi-turn
+    def is_leader(self) -> bool:
+        """Whether this process is its engine's first TP rank: the one that runs an agent loop."""
+        if self.tensor_parallel_size == 1:
+            return True
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+
+    def share(self, obj: Any) -> Any:
+        """The leader's ``obj`` on every rank of the engine's TP group (its own on one process)."""
+        if self.tensor_parallel_size == 1:
+            return obj
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().broadcast_object(obj, src=0)
+
+    def generate_turn(
+        self, requests: list[tuple[list[int], int, int | None]], sampling: RolloutSampling
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One assistant turn per ``(token ids so far, most new tokens, seed)`` request (multi-turn
+        rollouts, ``agent/loop.py``): the sampled ids, their log-probs and vLLM's finish reason
+        (``stop`` or ``length``). Every TP rank of the engine makes the same call."""
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.generate_turn called while asleep; call wake_up() first")
+        prompts, params = [], []
+        for row, (ids, max_new, seed) in enumerate(requests):
+            if len(ids) + max_new > self.max_model_len:
+                raise ValueError(
+                    f"multi-turn sample {row} holds {len(ids)} tokens plus {max_new} to generate, past the "
+                    f"engine's max_model_len={self.max_model_len} (data.max_prompt_length + data.max_response_length)"
+                )
+            prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+            turn = dataclasses.replace(sampling, n=1, response_length=max(int(max_new), 1), seed=None)
+            params.append(self._sampling_params(turn, 1, seed))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        results = []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            log_probs = [step[tok].logprob for tok, step in zip(ids, sample.logprobs or [])]
+            results.append((ids, log_probs, "length" if sample.finish_reason == "length" else "stop"))
+        return results
 
     def continue_sequences(
         self, batch: Batch, sampling: RolloutSampling, stop: Callable[[], bool] | None = None

@@ -64,8 +64,9 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     """critic/score, critic/rewards, critic/advantages, critic/returns, critic/values, lengths."""
     mask = batch["response_mask"].bool()
-    response_len = mask.sum(-1).float()
     prompt_width = batch["prompts"].shape[1]
+    # Every token after the prompt (a multi-turn response's tool turns too), as verl counts it.
+    response_len = batch["attention_mask"][:, prompt_width:].sum(-1).float()
     prompt_len = batch["attention_mask"][:, :prompt_width].sum(-1).float()
     metrics = {
         **_stats("critic/score", batch["token_level_scores"].sum(-1)),
@@ -79,6 +80,34 @@ def compute_data_metrics(batch: Batch, use_critic: bool) -> dict[str, float]:
     if use_critic:
         metrics.update(_stats("critic/values", batch["values"][mask]))
     return metrics
+
+
+def compute_agent_metrics(batch: Batch) -> dict[str, float]:
+    """A multi-turn rollout's turns, tool calls, their errors, timeouts and latency, how samples
+    ended, and the share of response tokens masked out of the loss (tool and user turns)."""
+    if "agent_num_turns" not in batch.tensor_keys:
+        return {}
+    turns, calls = batch["agent_num_turns"].float(), batch["agent_tool_calls"].float()
+    n_calls = float(calls.sum())
+    valid = batch["attention_mask"][:, -batch["responses"].shape[1] :].float()
+    out = {
+        "num_turns/mean": float(turns.mean()),
+        "num_turns/min": float(turns.min()),
+        "num_turns/max": float(turns.max()),
+        "tool_calls/mean": float(calls.mean()),
+        "tool_calls/max": float(calls.max()),
+        "tool_calls/error_rate": float(batch["agent_tool_errors"].sum()) / max(n_calls, 1.0),
+        "tool_calls/timeout_rate": float(batch["agent_tool_timeouts"].sum()) / max(n_calls, 1.0),
+        "tool_calls/latency_s": float(batch["agent_tool_seconds"].sum()) / max(n_calls, 1.0),
+        "tool_calls/rate": float((calls > 0).float().mean()),
+        "response/masked_token_share": 1.0
+        - float(batch["response_mask"].float().sum()) / max(float(valid.sum()), 1.0),
+    }
+    if "agent_end" in batch.non_tensor_keys:
+        ends = list(batch["agent_end"])
+        for reason in ("stop", "length", "max_turns", "tool_error"):
+            out[f"agent/end_{reason}"] = ends.count(reason) / max(len(ends), 1)
+    return out
 
 
 def compute_rollout_mismatch_metrics(batch: Batch) -> dict[str, float]:

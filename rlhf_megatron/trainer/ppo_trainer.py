@@ -39,9 +39,11 @@ from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
+from rlhf_megatron.rollout.multi_turn import AGENT_COLUMNS
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.metrics import (
     StepTimer,
+    compute_agent_metrics,
     compute_data_metrics,
     compute_perf_metrics,
     compute_rollout_mismatch_metrics,
@@ -267,6 +269,9 @@ class PPOTrainer:
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(batch, step)
+        if "agent_num_turns" in batch.tensor_keys:  # a multi-turn rollout: its turns and tool calls
+            metrics.update(compute_agent_metrics(batch))
+            batch.pop(list(AGENT_COLUMNS), non_tensor_keys=["agent_end"])
         if "multi_modal_data" in batch.non_tensor_keys:
             # The decoded images were for the rollout engine; the Megatron passes read
             # multi_modal_inputs (pixel values), so stop shipping both to every worker.
@@ -439,7 +444,8 @@ class PPOTrainer:
         rows = []
         for i in range(len(out)):
             prompt = out["prompts"][i][out["attention_mask"][i, : out["prompts"].shape[1]].bool()]
-            response = out["responses"][i][out["response_mask"][i].bool()]
+            width = out["prompts"].shape[1]  # every token after the prompt: tool turns are part of a sample
+            response = out["responses"][i][out["attention_mask"][i, width:].bool()]
             decode = self.tokenizer.decode
             rows.append(
                 (

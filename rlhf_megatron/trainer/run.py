@@ -88,6 +88,7 @@ def _loaders(run: RunConfig, tokenizer):
         data.train_files, tokenizer, data, vision, limit_images=limit, files_key="data.train_files"
     )
     val = RLHFDataset(data.val_files, tokenizer, data, vision, limit_images=limit, files_key="data.val_files")
+    _check_tools_kwargs(run, train, val)
     if len(train) < data.train_batch_size:
         raise ValueError(
             f"data.train_files has {len(train)} usable rows, fewer than data.train_batch_size="
@@ -102,6 +103,29 @@ def _loaders(run: RunConfig, tokenizer):
         val, val_batch, shuffle=False, seed=seed, drop_last=False, collate_fn=collate_fn
     )
     return train_loader, val_loader
+
+
+def _check_tools_kwargs(run: RunConfig, *datasets) -> None:
+    """Multi-turn rows whose ``extra_info.tools_kwargs`` name no configured tool (or an unknown
+    method key) are refused here, naming the file and row, before any worker starts."""
+    multi_turn = run.actor_rollout_ref.rollout.multi_turn
+    if not multi_turn.enable:
+        return
+    from rlhf_megatron.agent.config import check_tools_kwargs, load_tools
+
+    path = multi_turn.tool_config_path
+    names = [tool.name for tool in load_tools(os.path.expanduser(path))] if path else []
+    for dataset in datasets:
+        for where, info in dataset.extra_infos():
+            if not isinstance(info, dict):
+                continue
+            kwargs = {k: v for k, v in (info.get("tools_kwargs") or {}).items() if v is not None}
+            if info.get("need_tools_kwargs") and not kwargs:
+                raise ValueError(
+                    f"{where}: extra_info.need_tools_kwargs is true but extra_info.tools_kwargs is empty; give "
+                    "each tool's create/execute/calc_reward/release kwargs, or set need_tools_kwargs false"
+                )
+            check_tools_kwargs(kwargs, names, f"{where} (extra_info.tools_kwargs)")
 
 
 def _reward_fns(run: RunConfig, tokenizer):

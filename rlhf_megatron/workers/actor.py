@@ -36,7 +36,7 @@ from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, send_buckets
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
-from rlhf_megatron.workers.rollout import build_engine, sample
+from rlhf_megatron.workers.rollout import build_agent, build_engine, sample
 
 UPDATE_KEYS = ("responses", "response_mask", "old_log_probs", "advantages")
 
@@ -68,6 +68,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.actor: MegatronEngine | None = None
         self.ref: MegatronEngine | None = None
         self.rollout: RolloutEngine | None = None
+        self.agent = None
+        """The multi-turn agent loop, on the colocated engine's leader (``workers.rollout.build_agent``)."""
         self.syncer: WeightSyncer | None = None
         self.sync_group = None
         """Disaggregated rollout, rank 0: the process group spanning the trainer and the rollout pool."""
@@ -111,6 +113,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         arc = self.section
         if arc.hybrid_engine:
             self.rollout = build_engine(arc, self.context, self.rank, self.rollout_tp)
+            self.agent = build_agent(arc, self.rollout)
         groups = ParallelGroups.current()
         p = self.parallel
         plan = build_sync_plan(
@@ -205,7 +208,14 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         with self.actor.offloaded(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload):
             replica = self.rank // self.rollout_tp
             out = sample(
-                self.rollout, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
+                self.rollout,
+                self.section,
+                prompts,
+                replica,
+                validate=validate,
+                greedy=greedy,
+                seed=seed,
+                agent=self.agent,
             )
         if not (validate or greedy):  # after sampling (see sync_weights' fault point)
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)

@@ -25,6 +25,7 @@ from rlhf_megatron.algorithms import compute_value_loss
 from rlhf_megatron.config.schema import CriticConfig, RewardModelConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import fault_point
+from rlhf_megatron.rewards.manager import response_lengths
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, pad_responses, response_outputs
 from rlhf_megatron.workers.role import MegatronRoleWorker
@@ -162,6 +163,7 @@ class RewardModelWorker(MegatronRoleWorker):
         if out is None:
             return None
         scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        last_resp = (batch["response_mask"].sum(-1) - 1).clamp(min=0)
+        # The last token the policy sampled (a multi-turn response's mask has holes: tool turns).
+        last_resp = (response_lengths(batch) - 1).clamp(min=0)
         scores[torch.arange(len(batch)), last_resp] = out["score"]
         return Batch.from_dict({"rm_scores": scores})

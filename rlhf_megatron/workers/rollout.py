@@ -109,6 +109,23 @@ def build_engine(
     )
 
 
+def build_agent(section: ActorRolloutRefConfig, engine: RolloutEngine):
+    """The multi-turn agent loop of an engine's leader process (``rollout.multi_turn.enable``), else None:
+    the tools run there alone (``rollout/multi_turn.py``)."""
+    rollout = section.rollout
+    if not rollout.multi_turn.enable or not engine.is_leader():
+        return None
+    from transformers import AutoTokenizer
+
+    from rlhf_megatron.rollout.multi_turn import build_agent_loop
+
+    model = section.model
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.expanduser(model.tokenizer_path or model.path), trust_remote_code=model.trust_remote_code
+    )
+    return build_agent_loop(rollout.multi_turn, tokenizer, rollout.response_length)
+
+
 def sample(
     engine: RolloutEngine,
     section: ActorRolloutRefConfig,
@@ -118,15 +135,22 @@ def sample(
     validate: bool,
     greedy: bool,
     seed: int | None,
+    agent=None,
 ) -> Batch:
     """``n`` responses per prompt from one rollout replica (``val_kwargs`` when ``validate``, one greedy
     sample when ``greedy``). ``seed`` makes the samples a function of (weights, prompts, seed); the
-    replicas offset it so their prompts draw distinct streams."""
+    replicas offset it so their prompts draw distinct streams. With ``rollout.multi_turn.enable``
+    each sample is a multi-turn trajectory (``agent``: this process's loop if it leads the engine)."""
     if seed is not None:
         seed = seed + replica * len(prompts)
     sampling = RolloutSampling.from_config(section.rollout, validate=validate, greedy=greedy, seed=seed)
     engine.wake_up()
-    out = engine.generate_sequences(prompts, sampling)
+    if section.rollout.multi_turn.enable:
+        from rlhf_megatron.rollout.multi_turn import generate_multi_turn
+
+        out = generate_multi_turn(engine, agent, prompts, sampling, section.rollout.prompt_length)
+    else:
+        out = engine.generate_sequences(prompts, sampling)
     engine.sleep()
     return out
 
@@ -154,6 +178,8 @@ class RolloutWorker(Worker):
                 f"rollout pool's {world_size} processes (rollout.nnodes x rollout.n_gpus_per_node)"
             )
         self.engine: RolloutEngine | None = None
+        self.agent = None
+        """The multi-turn agent loop, on the engine's leader (``build_agent``)."""
         self.sync_group = None
         self.version = 0
         """Actor updates behind the engine's weights (0: the initial checkpoint)."""
@@ -167,6 +193,7 @@ class RolloutWorker(Worker):
 
         setup_platform()
         self.engine = build_engine(self.section, self.context, self.rank, self.rollout_tp)
+        self.agent = build_agent(self.section, self.engine)
 
     def dispatch_info(self, layout: str = "rollout") -> tuple[int, int, bool]:
         """Every layout is the rollout's: replica ``rank // tp`` of ``world // tp``; its TP rank 0 answers."""
@@ -204,7 +231,14 @@ class RolloutWorker(Worker):
         stop = None if validate or greedy else self._stop(interrupt_epoch)
         if stop is None:
             out = sample(
-                self.engine, self.section, prompts, replica, validate=validate, greedy=greedy, seed=seed
+                self.engine,
+                self.section,
+                prompts,
+                replica,
+                validate=validate,
+                greedy=greedy,
+                seed=seed,
+                agent=self.agent,
             )
         else:
             if seed is not None:

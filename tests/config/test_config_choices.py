@@ -20,6 +20,11 @@ ENUM_CASES = {
     choices.Truncation: ("data.truncation", "is not one of: error, left, right, middle"),
     choices.RolloutName: ("actor_rollout_ref.rollout.name", "is not one of: vllm, hf"),
     choices.EngineMode: ("actor_rollout_ref.rollout.mode", "is not one of: sync, async"),
+    choices.ToolCallFormat: ("actor_rollout_ref.rollout.multi_turn.format", "is not one of: hermes"),
+    choices.TruncateSide: (
+        "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side",
+        "is not one of: left, middle, right",
+    ),
     choices.LoadFormat: (
         "actor_rollout_ref.rollout.load_format",
         "is not one of: hf, sharded, dummy_megatron, dummy_hf, dummy_dtensor, dummy",

@@ -148,6 +148,18 @@ SECTION_CASES = {
             "actor_rollout_ref.rollout.val_kwargs.top_p=1.5 must be in (0, 1]",
         ],
     ),
+    f"{R}.multi_turn": (
+        [
+            f"{R}.multi_turn.max_parallel_calls=0",
+            f"{R}.multi_turn.tool_timeout_s=0",
+            f"{R}.multi_turn.max_assistant_turns=-1",
+        ],
+        [
+            "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=0 must be >= 1",
+            "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=0.0 must be > 0 (seconds)",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=-1 must be >= 1 (or null)",
+        ],
+    ),
     "critic": (
         # the critic follows the actor's loss_agg_mode through an interpolation
         ["critic.strategy=fsdp", "critic.ppo_epochs=0", f"{A}.loss_agg_mode=token-sum"],
@@ -176,6 +188,14 @@ CASES = {
         [
             "trainer.rollout_mode=one_step_off overlaps generation with training, which one set of processes "
             "cannot do: set actor_rollout_ref.hybrid_engine=false",
+        ],
+    ),
+    V.check_multi_turn: (
+        [f"{R}.multi_turn.enable=true", "trainer.partial_rollout=true", f"{A}.router_replay.mode=R3"],
+        [
+            "actor_rollout_ref.rollout.multi_turn.enable=true needs data.return_raw_chat=true",
+            "actor_rollout_ref.rollout.multi_turn.enable=true cannot be combined with trainer.partial_rollout=true",
+            "cannot replay vLLM's routes (actor_rollout_ref.actor.router_replay.mode=R3)",
         ],
     ),
     V.check_group_estimator_n: (
@@ -538,8 +558,10 @@ def test_rollout_correction_needs_an_engine_that_returns_log_probs():
     ), errors
     # Off, the engine does not matter to this rule; the loader refuses an unknown engine anyway.
     assert V.check_rollout_correction_engine(_with_engine("sglang")) == []
+    # verl's multi-turn scripts set sglang: the refusal names the engine to use instead.
     assert _errors(f"{R}.name=sglang") == [
-        "actor_rollout_ref.rollout.name='sglang' is not one of: vllm, hf (command line)"
+        "actor_rollout_ref.rollout.name='sglang' is not one of: vllm, hf (command line); sglang is not an engine "
+        "of this project: set actor_rollout_ref.rollout.name=vllm (multi-turn tool rollouts run on vLLM too)"
     ]
 
 
