@@ -1,0 +1,163 @@
+"""``code_interpreter(code)``: run model-written Python in the local sandbox (verl's sandbox_fusion tool).
+
+verl's ``SandboxFusionTool`` posts the code to a remote SandboxFusion server; this tool runs it on
+the rollout machine through ``sandbox.run_python`` (its own process, no network, CPU / memory /
+output / wall-clock limits, a fresh directory, nothing left behind). A verl tool config ports by
+changing ``class_name``; the tool name and schema are the same (``code_interpreter``, one string
+parameter ``code``), and so are the config keys ``default_timeout``, ``memory_limit_mb`` and
+``num_workers``. ``sandbox_fusion_url`` and verl's rate-limit keys are ignored with a warning.
+
+Errors are counted: code that fails (an exception, a limit, a refused fork or socket) makes the
+call raise ``ToolError``, which ``run_tool_call`` turns into an ``Error: ...`` response (the
+message, then the output and traceback) with status ``error``; the agent loop counts that status
+in ``tool_errors``. A sandbox wall-clock timeout is such an error; the loop's own ``timeout``
+status is for a call that outlives ``tool_timeout_s``, so ``default_timeout`` should stay below it.
+
+Boundaries: ``run_python`` blocks, so calls run on a thread pool of ``num_workers`` threads owned
+by the tool: at most that many sandboxes at once, whatever number of trajectories call it, and a
+call cancelled while queued (the loop's timeout) never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from typing import Any
+from uuid import uuid4
+
+from rlhf_megatron.agent.base import BaseTool
+from rlhf_megatron.agent.errors import ToolConfigError, ToolError
+from rlhf_megatron.agent.sandbox import SandboxResult, run_python
+from rlhf_megatron.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+__all__ = ["CodeInterpreterTool", "format_result"]
+
+logger = logging.getLogger(__name__)
+
+#: Config keys and defaults. ``cpu_timeout`` defaults to ``default_timeout``.
+DEFAULTS: dict[str, Any] = {
+    "default_timeout": 10.0,  # wall-clock seconds per call
+    "cpu_timeout": None,  # CPU seconds per call, over all threads
+    "memory_limit_mb": 1024,  # address space; numpy alone takes about 150 MB
+    "max_output_bytes": 16 * 1024,  # stdout and stderr together; the rest is cut
+    "num_workers": 10,  # sandboxes running at once (verl's default)
+}
+NO_OUTPUT = "(no output; print() what you want to see)"
+
+
+class CodeInterpreterTool(BaseTool):
+    """Runs each call's ``code`` in a fresh sandboxed interpreter and answers with what it printed.
+
+    ``create(ground_truth=..., files=...)``: ``ground_truth`` is kept as verl's tool keeps it (the
+    answer is scored by the reward function; ``calc_reward`` is 0); ``files`` (relative path ->
+    text or bytes) are put in the working directory of every call of that trajectory.
+    """
+
+    default_tool_schema = {
+        "type": "function",
+        "function": {
+            "name": "code_interpreter",
+            "description": (
+                "Run Python 3 code and return what it prints (stdout and stderr). Each call starts a fresh "
+                "interpreter without network access: variables do not carry over, so print the results "
+                "you need."
+            ),
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+                "required": ["code"],
+            },
+        },
+    }
+
+    def __init__(self, config: dict | None, tool_schema: OpenAIFunctionToolSchema | None = None):
+        super().__init__(config, tool_schema)
+        settings = {**DEFAULTS, **{k: v for k, v in self.config.items() if k in DEFAULTS}}
+        if settings["cpu_timeout"] is None:
+            settings["cpu_timeout"] = settings["default_timeout"]
+        for key in ("default_timeout", "cpu_timeout", "memory_limit_mb", "num_workers"):
+            _check_positive(key, settings[key])
+        if not isinstance(settings["max_output_bytes"], int) or settings["max_output_bytes"] < 1:
+            raise ToolConfigError(
+                f"config.max_output_bytes must be a positive integer, got {settings['max_output_bytes']!r}"
+            )
+        language = self.config.get("default_language", "python")
+        if language != "python":
+            raise ToolConfigError(f"config.default_language is {language!r}; this tool runs only python.")
+        unknown = sorted(set(self.config) - set(DEFAULTS) - {"type", "default_language"})
+        if unknown:
+            logger.warning(
+                "%s: ignoring config keys %s (the code runs in the local sandbox); known keys: %s",
+                self.name,
+                ", ".join(unknown),
+                ", ".join(DEFAULTS),
+            )
+        self.timeout_s = float(settings["default_timeout"])
+        self.cpu_s = float(settings["cpu_timeout"])
+        self.memory_mb = int(settings["memory_limit_mb"])
+        self.max_output_bytes = int(settings["max_output_bytes"])
+        self.num_workers = int(settings["num_workers"])
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix=self.name)
+        self._instances: dict[str, dict[str, Any]] = {}
+
+    async def create(
+        self,
+        instance_id: str | None = None,
+        ground_truth: Any = None,
+        files: dict | None = None,
+        **kwargs: Any,
+    ) -> tuple[str, ToolResponse]:
+        instance_id = instance_id if instance_id is not None else str(uuid4())
+        nested = kwargs.get("create_kwargs") or {}  # verl's agent loop may pass them nested
+        self._instances[instance_id] = {
+            "ground_truth": ground_truth if ground_truth is not None else nested.get("ground_truth"),
+            "files": dict(files if files is not None else nested.get("files") or {}),
+        }
+        return instance_id, ToolResponse()
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, float, dict]:
+        code = parameters.get("code", "")
+        if not isinstance(code, str) or not code.strip():
+            raise ToolError("code_interpreter: the code is empty; pass the Python source as 'code'.")
+        files = self._instances.get(instance_id, {}).get("files") or None
+        run = functools.partial(
+            run_python,
+            code,
+            timeout_s=self.timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            files=files,
+        )
+        result = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        text = format_result(result)
+        if not result.ok:
+            raise ToolError(text)  # status "error": the loop counts it
+        return ToolResponse(text=text), 0.0, {"status": result.status, "duration_s": result.duration_s}
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self._instances.pop(instance_id, None)
+
+    def close(self) -> None:
+        """Wait for the sandboxes still running (each ends within its limits) and stop the threads."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def format_result(result: SandboxResult) -> str:
+    """The response text: the output (stdout, then stderr), after the error message if the run failed."""
+    output = (result.stdout + result.stderr).rstrip("\n")
+    if result.ok:
+        return output or NO_OUTPUT
+    return f"{result.message}\n{output}" if output else result.message
+
+
+def _check_positive(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ToolConfigError(f"config.{key} must be a positive number, got {value!r}")
