@@ -225,7 +225,9 @@ class ToolAgentLoop:
         kwargs = t.tools_kwargs.get(call.name) or {}
         if call.name not in t.instances:
             try:
-                instance, _ = await _as_pair(tool.create(**(kwargs.get("create_kwargs") or {})))
+                instance, _ = await _as_pair(
+                    tool.create(**_create_kwargs(tool, kwargs.get("create_kwargs") or {}))
+                )
             except Exception as exc:  # the sample cannot use this tool at all
                 t.tool_errors += 1
                 t.end = "tool_error"
@@ -313,6 +315,20 @@ class ToolAgentLoop:
                 raise ValueError(f"interaction_kwargs names interaction {name!r}; known: {known}")
             instance = await interaction.start_interaction(**t.interaction_kwargs)
             t.interaction = (interaction, instance)
+
+
+def _create_kwargs(tool: BaseTool, create_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """How ``create`` gets a row's ``create_kwargs``, for tools of either verl convention: verl's
+    agent loop passes ``create(create_kwargs={...})``, its older rollout passes ``create(**{...})``
+    (verl's own gsm8k tool reads both). Each form goes to a tool whose signature takes it."""
+    import inspect
+
+    params = inspect.signature(tool.create).parameters
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out = {k: v for k, v in create_kwargs.items() if k != "create_kwargs" and (open_kwargs or k in params)}
+    if open_kwargs or "create_kwargs" in params:
+        out["create_kwargs"] = dict(create_kwargs)
+    return out
 
 
 async def _as_pair(created) -> tuple[str, ToolResponse | None]:

@@ -53,9 +53,15 @@ def find_preset(name: str | Path, relative_to: Path | None = None) -> Path:
     raise ConfigError(f"config file {str(name)!r} not found (looked at: {places}); see `ls {CONFIGS_DIR}`")
 
 
+NOT_PRESETS = ("tools",)
+"""Folders of ``configs/`` that hold other files than run configs (verl-format tool configs)."""
+
+
 def list_presets() -> list[Path]:
-    """Every preset shipped in ``configs/``, sorted."""
-    return sorted(CONFIGS_DIR.rglob("*.yaml"))
+    """Every preset shipped in ``configs/``, sorted (not the tool configs of ``configs/tools/``)."""
+    return sorted(
+        p for p in CONFIGS_DIR.rglob("*.yaml") if p.relative_to(CONFIGS_DIR).parts[0] not in NOT_PRESETS
+    )
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

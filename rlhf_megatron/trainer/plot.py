@@ -1,4 +1,5 @@
-"""Plot a run's metrics.jsonl: reward, KL, response length and phase timings, to one PNG.
+"""Plot a run's metrics.jsonl: reward, KL, response length and phase timings, to one PNG; for a
+multi-turn run, turns per trajectory and tool calls too.
 
 When the records carry ``timeline/<role>/<phase>/start_s|end_s`` (every run since the rollout
 scheduler), a Gantt panel of the last ``GANTT_STEPS`` steps shows, one lane per role, when each
@@ -130,26 +131,32 @@ def _legend(ax, **kwargs) -> None:
 
 
 def build_figure(records: list[dict]):
-    """The metrics figure: reward, KL, response length, phase timings, and, when the records
-    carry ``timeline/*`` keys, a full-width Gantt row of the last ``GANTT_STEPS`` steps."""
+    """The metrics figure: reward, KL, response length, phase timings, turns and tool calls when
+    the records carry them (multi-turn runs), and, when they carry ``timeline/*`` keys, a full-width Gantt row of the last ``GANTT_STEPS`` steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     spans = timeline_spans(records)
-    rows = 3 if spans else 2
+    agent = any("tool_calls/mean" in r for r in records)  # multi-turn runs
+    rows = 2 + agent + bool(spans)
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.5 * rows))
     if spans:
-        gs = axes[2][0].get_gridspec()
-        for ax in axes[2]:
+        gs = axes[rows - 1][0].get_gridspec()
+        for ax in axes[rows - 1]:
             ax.remove()
-        _gantt(fig.add_subplot(gs[2, :]), spans, _step_starts(records))
+        _gantt(fig.add_subplot(gs[rows - 1, :]), spans, _step_starts(records))
     panels = [
         (axes[0][0], "reward", ["critic/score/mean", "val/reward_mean"]),
         (axes[0][1], "KL", ["actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty"]),
         (axes[1][0], "response length", ["response_length/mean", "response_length/max"]),
     ]
+    if agent:
+        panels += [
+            (axes[2][0], "turns per trajectory", ["num_turns/mean", "num_turns/max"]),
+            (axes[2][1], "tool calls", ["tool_calls/mean", "tool_calls/rate", "tool_calls/error_rate"]),
+        ]
     for ax, title, keys in panels:
         for key in keys:
             xs, ys = _series(records, key)

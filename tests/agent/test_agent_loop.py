@@ -226,7 +226,9 @@ def test_tools_kwargs_rewards_and_release_follow_verls_protocol(tok):
     engine = _Engine(tok, [[_call("echo", text="a"), _call("echo", text="b"), "7"]])
     engine.prompts = [prompt]
     loop.run([t], engine)
-    assert tool.created == [{"ground_truth": "7"}], "one instance per trajectory, made on its first call"
+    assert tool.created == [{"ground_truth": "7", "create_kwargs": {"ground_truth": "7"}}], (
+        "one instance per trajectory, made on its first call, with create_kwargs in both verl forms"
+    )
     assert [e[2] for e in tool.executed] == [{"k": 1}, {"k": 1}]
     assert tool.rewarded == [("inst1", {"c": 2})] and tool.released == [("inst1", {"r": 3})]
     assert t.reward == pytest.approx(0.25 * 2 + 1.0), "step rewards plus calc_reward"

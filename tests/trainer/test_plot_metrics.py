@@ -83,3 +83,16 @@ def test_timeline_records_add_a_gantt_panel_and_old_runs_keep_their_layout(tmp_p
     from PIL import Image
 
     assert Image.open(new_png).size[1] > Image.open(old_png).size[1]  # a third row: the Gantt panel
+
+
+def test_multi_turn_records_add_turn_and_tool_call_panels():
+    from rlhf_megatron.trainer.plot import build_figure
+
+    rows = [
+        {"step": s, "critic/score/mean": 0.1 * s, "num_turns/mean": 1 + s / 4, "tool_calls/mean": s / 4}
+        for s in (1, 2, 3)
+    ]
+    titles = [ax.get_title() for ax in build_figure(rows).axes]
+    assert "turns per trajectory" in titles and "tool calls" in titles
+    plain = [{k: v for k, v in r.items() if k in ("step", "critic/score/mean")} for r in rows]
+    assert "tool calls" not in [ax.get_title() for ax in build_figure(plain).axes]
