@@ -101,6 +101,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--test-size", type=int, default=200, help="held-out prompts (validation)")
     p.add_argument("--probe-size", type=int, default=128, help="non-test problems for the early-stop probe")
     p.add_argument("--tool-share", type=float, default=0.25, help="share of transcripts that call the tool")
+    p.add_argument(
+        "--max-rounds",
+        type=int,
+        default=1,
+        help="questions per transcript, 1 to this many (a new user question after each answer)",
+    )
     p.add_argument("--steps", type=int, default=1500, help="most SFT steps (fewer when the target is hit)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -150,13 +156,22 @@ class Transcripts:
     def answer(self, value: str) -> list[int]:
         return self.encode(value) + [self.tok.eos_token_id]
 
-    def example(self, a: int, b: int, with_tool: bool) -> tuple[list[int], list[int]]:
-        """(ids, labels) of one transcript: labels -100 on the prompt and the tool turn."""
-        prompt, answer = self.prompt(a, b), self.answer(str(a * b))
-        parts = [(prompt, False)]
-        if with_tool:
-            parts += [(self.call(a, b), True), (self.tool_turn(str(a * b)), False)]
-        parts.append((answer, True))
+    def question_turn(self, a: int, b: int) -> list[int]:
+        """A follow-up question after an answer, as an interaction's user turn is appended."""
+        return render_turn_ids(self.tok, [{"role": "user", "content": tool_mult.question(a, b)}])
+
+    def example(
+        self, a: int, b: int, with_tool: bool, follow_ups: Sequence[tuple[int, int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        """(ids, labels) of one transcript: labels -100 on the prompt, tool turns and follow-up
+        questions (each answered the way the first one is)."""
+        parts = [(self.prompt(a, b), False)]
+        for index, (x, y) in enumerate([(a, b), *follow_ups]):
+            if index:
+                parts.append((self.question_turn(x, y), False))
+            if with_tool:
+                parts += [(self.call(x, y), True), (self.tool_turn(str(x * y)), False)]
+            parts.append((self.answer(str(x * y)), True))
         ids = [i for part, _ in parts for i in part]
         labels = [i if trained else -100 for part, trained in parts for i in part]
         return ids, labels
@@ -255,7 +270,13 @@ def pretrain(model, transcripts: Transcripts, pool, probe, args) -> tuple[int, l
     model.train()
     for step in range(1, args.steps + 1):
         batch = [
-            transcripts.example(*rng.choice(pool), with_tool=rng.random() < args.tool_share)
+            transcripts.example(
+                *rng.choice(pool),
+                with_tool=rng.random() < args.tool_share,
+                follow_ups=[rng.choice(pool) for _ in range(rng.randrange(args.max_rounds))]
+                if args.max_rounds > 1
+                else (),
+            )
             for _ in range(args.batch_size)
         ]
         loss = model(**collate(batch, transcripts.tok.pad_token_id)).loss

@@ -39,7 +39,11 @@ from rlhf_megatron.agent.base import BaseInteraction, BaseTool
 from rlhf_megatron.agent.calls import parse_hermes, run_tool_call
 from rlhf_megatron.agent.schemas import OpenAIFunctionCallSchema, ToolResponse
 
-__all__ = ["END_REASONS", "ToolAgentLoop", "TurnRequest", "Trajectory", "render_turn_ids"]
+__all__ = ["AGENT_NAMES", "END_REASONS", "ToolAgentLoop", "TurnRequest", "Trajectory", "render_turn_ids"]
+
+AGENT_NAMES = ("tool_agent", "single_turn_agent")
+"""verl's ``agent_name`` column: ``tool_agent`` (the default) runs tools and interactions turn by
+turn; ``single_turn_agent`` rows end after their first assistant turn."""
 
 END_REASONS = ("stop", "length", "max_turns", "tool_error")
 """Why a trajectory ended (``Trajectory.end``)."""
@@ -76,6 +80,8 @@ class Trajectory:
     instances: dict[str, str] = field(default_factory=dict)
     """Tool name -> this trajectory's instance id (created lazily, on the first call)."""
     interaction: tuple[BaseInteraction, str] | None = None
+    single_turn: bool = False
+    """``agent_name: single_turn_agent``: the first assistant turn is the whole response."""
 
     def append(self, ids: Sequence[int], mask: int, log_probs: Sequence[float] | None = None) -> None:
         self.response_ids += list(ids)
@@ -184,6 +190,8 @@ class ToolAgentLoop:
             t.messages.append(_assistant_message(content, calls))
             if finish == "length" or len(t.response_ids) >= self.response_length:
                 t.end = "length"
+            elif t.single_turn:
+                t.end = "stop"
             elif not calls and not errors:
                 if t.interaction is None:
                     t.end = "stop"

@@ -436,14 +436,15 @@ class RLHFDataset(torch.utils.data.Dataset):
     def _cell(self, file_idx: int, row: int, key: str) -> Any:
         return self._tables[file_idx].column(key)[row].as_py()
 
-    def extra_infos(self):
-        """``(where, extra_info)`` of every row, ``where`` naming its file and row (e.g. for the
-        multi-turn check of ``extra_info.tools_kwargs`` before any worker starts)."""
+    def column_values(self, key: str):
+        """``(where, value)`` of column ``key`` in every row of the files that have it, ``where``
+        naming the file and row (e.g. for the multi-turn checks of ``extra_info.tools_kwargs`` and
+        ``agent_name`` before any worker starts)."""
         for file_idx, table in enumerate(self._tables):
-            if "extra_info" not in table.column_names:
+            if key not in table.column_names:
                 continue
-            for row, info in enumerate(table.column("extra_info").to_pylist()):
-                yield f"{self.files[file_idx]} row {row}", info
+            for row, value in enumerate(table.column(key).to_pylist()):
+                yield f"{self.files[file_idx]} row {row}", value
 
     def _reward_fields(self, file_idx: int, row: int) -> tuple[dict, dict]:
         """(reward_model, extra_info) of a row; EasyR1 rows get their answer as the ground truth."""

@@ -103,6 +103,7 @@ def _trajectories(agent, prompts: Batch, sampling: RolloutSampling, prompt_lengt
     raw = prompts["raw_prompt"] if "raw_prompt" in prompts.non_tensor_keys else None
     token_lists = prompt_token_lists(prompts)
     extra = prompts["extra_info"] if "extra_info" in prompts.non_tensor_keys else [None] * len(prompts)
+    agents = prompts["agent_name"] if "agent_name" in prompts.non_tensor_keys else [None] * len(prompts)
     out = []
     for row in range(len(prompts)):
         messages = [dict(m) for m in raw[row]] if raw is not None else []
@@ -135,6 +136,7 @@ def _trajectories(agent, prompts: Batch, sampling: RolloutSampling, prompt_lengt
                     tools_kwargs=tools_kwargs,
                     interaction_kwargs=info.get("interaction_kwargs") or None,
                     seed=seed,
+                    single_turn=agents[row] == "single_turn_agent",
                 )
             )
     return out

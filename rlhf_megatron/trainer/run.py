@@ -88,7 +88,7 @@ def _loaders(run: RunConfig, tokenizer):
         data.train_files, tokenizer, data, vision, limit_images=limit, files_key="data.train_files"
     )
     val = RLHFDataset(data.val_files, tokenizer, data, vision, limit_images=limit, files_key="data.val_files")
-    _check_tools_kwargs(run, train, val)
+    _check_agent_rows(run, train, val)
     if len(train) < data.train_batch_size:
         raise ValueError(
             f"data.train_files has {len(train)} usable rows, fewer than data.train_batch_size="
@@ -105,18 +105,20 @@ def _loaders(run: RunConfig, tokenizer):
     return train_loader, val_loader
 
 
-def _check_tools_kwargs(run: RunConfig, *datasets) -> None:
-    """Multi-turn rows whose ``extra_info.tools_kwargs`` name no configured tool (or an unknown
-    method key) are refused here, naming the file and row, before any worker starts."""
+def _check_agent_rows(run: RunConfig, *datasets) -> None:
+    """Multi-turn rows are checked here, before any worker starts, each refusal naming the file
+    and row: ``extra_info.tools_kwargs`` naming no configured tool (or an unknown method key), and
+    an ``agent_name`` that is not one of the agent loops."""
     multi_turn = run.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return
     from rlhf_megatron.agent.config import check_tools_kwargs, load_tools
+    from rlhf_megatron.agent.loop import AGENT_NAMES
 
     path = multi_turn.tool_config_path
     names = [tool.name for tool in load_tools(os.path.expanduser(path))] if path else []
     for dataset in datasets:
-        for where, info in dataset.extra_infos():
+        for where, info in dataset.column_values("extra_info"):
             if not isinstance(info, dict):
                 continue
             kwargs = {k: v for k, v in (info.get("tools_kwargs") or {}).items() if v is not None}
@@ -126,6 +128,12 @@ def _check_tools_kwargs(run: RunConfig, *datasets) -> None:
                     "each tool's create/execute/calc_reward/release kwargs, or set need_tools_kwargs false"
                 )
             check_tools_kwargs(kwargs, names, f"{where} (extra_info.tools_kwargs)")
+        for where, name in dataset.column_values("agent_name"):
+            if name is not None and name not in AGENT_NAMES:
+                raise ValueError(
+                    f"{where}: agent_name={name!r} is not an agent loop of this project; use one of: "
+                    f"{', '.join(AGENT_NAMES)} (or leave it null: tool_agent)"
+                )
 
 
 def _reward_fns(run: RunConfig, tokenizer):

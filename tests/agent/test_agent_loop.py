@@ -293,3 +293,19 @@ def test_assembled_batch_keeps_attention_over_tool_turns_and_loss_on_sampled_tok
     assert batch["position_ids"][0, 24:].tolist() == list(range(last_prompt + 1, last_prompt + 121))
     assert batch["tool_rewards"].tolist() == [0.5, 0.0] and batch["agent_tool_calls"].tolist() == [1, 0]
     assert list(batch["agent_end"]) == ["stop", "stop"] and list(batch["data_source"]) == ["tool_mult"] * 2
+
+
+def test_single_turn_agent_rows_end_after_their_first_turn(tok):
+    tool = _Recorder()
+    loop = ToolAgentLoop(tok, [tool], {}, 200)
+    prompts = [tok.encode(f"<|user|>q{i}</s><|assistant|>", add_special_tokens=False) for i in range(2)]
+    engine = _Engine(tok, [[_call("echo", text="a"), "done"], [_call("echo", text="b"), "done"]])
+    engine.prompts = prompts
+    ts = [
+        Trajectory(prompt_ids=list(prompts[0]), messages=[], single_turn=True),
+        Trajectory(prompt_ids=list(prompts[1]), messages=[]),
+    ]
+    loop.run(ts, engine)
+    assert ts[0].end == "stop" and ts[0].assistant_turns == 1 and ts[0].tool_calls == 0
+    assert ts[1].tool_calls == 1 and ts[1].assistant_turns == 2
+    assert [p for _, p, _ in tool.executed] == [{"text": "b"}]

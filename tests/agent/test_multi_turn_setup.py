@@ -15,7 +15,7 @@ from rlhf_megatron.agent.loop import ToolAgentLoop, Trajectory
 from rlhf_megatron.config import ConfigError, load_config
 from rlhf_megatron.data import RLHFDataset
 from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
-from rlhf_megatron.trainer.run import _check_tools_kwargs
+from rlhf_megatron.trainer.run import _check_agent_rows
 
 CALC = "rlhf_megatron.agent.tools.calculator.CalculatorTool"
 MT = "actor_rollout_ref.rollout.multi_turn"
@@ -72,13 +72,15 @@ def test_multi_turn_needs_vllm_and_raw_chat(tmp_path):
     assert "needs data.return_raw_chat=true" in str(err.value)
 
 
-def _parquet(path, tools_kwargs: list[dict | None]):
+def _parquet(path, tools_kwargs: list[dict | None], agent_names: list[str | None] | None = None):
     rows = {
         "data_source": ["tool_mult"] * len(tools_kwargs),
         "prompt": [[{"role": "user", "content": f"What is {i}*3?"}] for i in range(len(tools_kwargs))],
         "reward_model": [{"ground_truth": str(3 * i)} for i in range(len(tools_kwargs))],
         "extra_info": [{"index": i, "tools_kwargs": kw} for i, kw in enumerate(tools_kwargs)],
     }
+    if agent_names is not None:
+        rows["agent_name"] = agent_names
     pq.write_table(pa.table(rows), path)
     return path
 
@@ -93,12 +95,12 @@ def test_rows_whose_tools_kwargs_name_no_tool_are_refused_naming_file_and_row(tm
     tok = build_tiny_tokenizer()
     dataset = RLHFDataset(str(data), tok, run.data)
     with pytest.raises(ValueError) as err:
-        _check_tools_kwargs(run, dataset)
+        _check_agent_rows(run, dataset)
     text = str(err.value)
     assert f"{data} row 2" in text and "'calculater'" in text and "calculator" in text, text
 
     ok = _parquet(tmp_path / "ok.parquet", [good, None])
-    _check_tools_kwargs(run, RLHFDataset(str(ok), tok, run.data))
+    _check_agent_rows(run, RLHFDataset(str(ok), tok, run.data))
 
 
 class _Flood(BaseTool):
@@ -132,3 +134,14 @@ def test_a_10_mb_tool_response_is_cut_and_the_run_goes_on():
     assert t.end == "stop" and t.tool_calls == 1
     assert 0 < len(tool_ids) < 200, "the tool turn holds the cut response, not 10 MB"
     assert "truncated" in tok.decode(tool_ids) or "..." in tok.decode(tool_ids)
+
+
+def test_an_unknown_agent_name_is_refused_naming_file_and_row(tmp_path):
+    tools = _tool_config(tmp_path, f"  - class_name: {CALC}\n    config: {{type: native}}\n")
+    data = _parquet(
+        tmp_path / "train.parquet", [None] * 3, ["tool_agent", "single_turn_agent", "react_agent"]
+    )
+    run = OmegaConf.to_object(_load(tools, f"data.train_files={data}", f"data.val_files={data}"))
+    with pytest.raises(ValueError) as err:
+        _check_agent_rows(run, RLHFDataset(str(data), build_tiny_tokenizer(), run.data))
+    assert f"{data} row 2: agent_name='react_agent'" in str(err.value) and "tool_agent" in str(err.value)

@@ -80,3 +80,25 @@ def test_transcripts_train_on_the_call_and_answer_only():
     assert len(ids) - len(prompt) <= 32, "the whole trajectory fits the quickstart's response budget"
     direct_ids, direct_labels = transcripts.example(37, 48, with_tool=False)
     assert [i for i, label in zip(direct_ids, direct_labels) if label != -100] == transcripts.answer("1776")
+
+
+def test_follow_up_questions_are_masked_and_answered_the_same_way():
+    _, tok = build_tiny_hf_model(extra_words=builder.TOOL_WORDS)
+    transcripts = builder.Transcripts(tok)
+    ids, labels = transcripts.example(37, 48, with_tool=True, follow_ups=[(12, 34)])
+    trained = [i for i, label in zip(ids, labels) if label != -100]
+    expected = (
+        transcripts.call(37, 48)
+        + transcripts.answer("1776")
+        + transcripts.call(12, 34)
+        + transcripts.answer("408")
+    )
+    assert trained == expected
+    question = transcripts.question_turn(12, 34)
+    start = (
+        len(ids)
+        - len(transcripts.answer("408"))
+        - len(transcripts.tool_turn("408"))
+        - len(transcripts.call(12, 34))
+    )
+    assert ids[start - len(question) : start] == question
