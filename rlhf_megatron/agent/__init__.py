@@ -32,7 +32,7 @@ from rlhf_megatron.agent.config import (
     load_interactions,
     load_tools,
 )
-from rlhf_megatron.agent.errors import ToolConfigError, ToolError
+from rlhf_megatron.agent.errors import ToolConfigError, ToolError, ToolTimeout
 from rlhf_megatron.agent.schemas import (
     OpenAIFunctionCallSchema,
     OpenAIFunctionParametersSchema,
@@ -60,6 +60,7 @@ __all__ = [
     "ToolConfigError",
     "ToolError",
     "ToolResponse",
+    "ToolTimeout",
     "check_tools_kwargs",
     "import_class",
     "initialize_interactions_from_config",

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from rlhf_megatron.agent.base import BaseTool
-from rlhf_megatron.agent.errors import ToolError
+from rlhf_megatron.agent.errors import ToolError, ToolTimeout
 from rlhf_megatron.agent.schemas import (
     OpenAIFunctionCallSchema,
     OpenAIFunctionParsedSchema,
@@ -244,6 +244,8 @@ async def _execute(
         result = await _await_with_timeout(pending, timeout_s) if inspect.isawaitable(pending) else pending
     except _CallTimeout:
         return _error(f"tool '{tool.name}' timed out after {timeout_s:g} s"), None, {}, "timeout"
+    except ToolTimeout as err:
+        return _error(str(err)), None, {}, "timeout"
     except ToolError as err:
         return _error(str(err)), None, {}, "error"
     except Exception as err:

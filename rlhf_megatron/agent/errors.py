@@ -9,7 +9,7 @@ failing the rollout.
 
 from __future__ import annotations
 
-__all__ = ["ToolConfigError", "ToolError"]
+__all__ = ["ToolConfigError", "ToolError", "ToolTimeout"]
 
 
 class ToolConfigError(ValueError):
@@ -18,3 +18,8 @@ class ToolConfigError(ValueError):
 
 class ToolError(Exception):
     """Raised by a tool to send ``str(error)`` back to the model as an ``Error: ...`` response."""
+
+
+class ToolTimeout(ToolError):
+    """Raised by a tool whose work ran out of time (e.g. sandboxed code past its wall or CPU limit):
+    an ``Error: ...`` response counted as a timeout (``tool_calls/timeout_rate``), not an error."""

@@ -1,8 +1,9 @@
 """CodeInterpreterTool through ``run_tool_call``, as the agent loop calls it.
 
 Hostile code must come back as an ``Error: ...`` response with status ``error`` (the loop adds
-that status to ``tool_errors``), quickly, leaving no process, directory or file descriptor
-behind; the tool's thread pool bounds how many sandboxes run at once.
+that status to ``tool_errors``; code out of time gets ``timeout``, added to ``tool_timeouts``),
+quickly, leaving no process, directory or file descriptor behind; the tool's thread pool bounds
+how many sandboxes run at once.
 """
 
 from __future__ import annotations
@@ -236,7 +237,9 @@ def test_hostile_code_is_an_error_response(name):
     )
     started = time.monotonic()
     response, reward, metrics, status = _once(tool, code)
-    assert status == "error" and reward is None and metrics["truncated"] is False
+    # Running out of wall or CPU time counts as a timeout, everything else as an error.
+    expected = "timeout" if name in ("infinite-loop", "sleep-forever") else "error"
+    assert status == expected and reward is None and metrics["truncated"] is False
     assert response.text.startswith("Error: ") and message in response.text
     assert len(response.text) < 17_000  # the output cap, plus the message
     assert time.monotonic() - started < 8  # 1 CPU second, on a shared 2-core machine

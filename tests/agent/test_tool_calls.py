@@ -432,3 +432,22 @@ def test_error_messages_are_truncated_too():
 def test_bad_truncate_side_is_a_programming_error():
     with pytest.raises(ValueError, match="truncate_side must be one of left, right, middle"):
         _run(FakeTool(_ok), {"expression": "1"}, truncate_side="both")
+
+
+def test_a_tool_timeout_error_counts_as_a_timeout():
+    from rlhf_megatron.agent import ToolTimeout
+
+    class Slow(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            raise ToolTimeout("slow: the search backend did not answer in 5 s")
+
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {
+            "type": "function",
+            "function": {"name": "slow", "description": "d", "parameters": {"type": "object"}},
+        }
+    )
+    call = OpenAIFunctionCallSchema(name="slow", arguments={})
+    response, reward, _, status = asyncio.run(run_tool_call(Slow({}, schema), "i", call))
+    assert status == "timeout" and reward is None
+    assert response.text == "Error: slow: the search backend did not answer in 5 s"

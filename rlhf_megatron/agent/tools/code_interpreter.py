@@ -10,8 +10,9 @@ parameter ``code``), and so are the config keys ``default_timeout``, ``memory_li
 Errors are counted: code that fails (an exception, a limit, a refused fork or socket) makes the
 call raise ``ToolError``, which ``run_tool_call`` turns into an ``Error: ...`` response (the
 message, then the output and traceback) with status ``error``; the agent loop counts that status
-in ``tool_errors``. A sandbox wall-clock timeout is such an error; the loop's own ``timeout``
-status is for a call that outlives ``tool_timeout_s``, so ``default_timeout`` should stay below it.
+in ``tool_errors``. Code past its wall-clock or CPU limit raises ``ToolTimeout`` instead: status
+``timeout``, counted in ``tool_timeouts`` like a call that outlives the loop's ``tool_timeout_s``
+(keep ``default_timeout`` below that, so the sandbox's own message reaches the model).
 
 Boundaries: ``run_python`` blocks, so calls run on a thread pool of ``num_workers`` threads owned
 by the tool: at most that many sandboxes at once, whatever number of trajectories call it, and a
@@ -28,7 +29,7 @@ from typing import Any
 from uuid import uuid4
 
 from rlhf_megatron.agent.base import BaseTool
-from rlhf_megatron.agent.errors import ToolConfigError, ToolError
+from rlhf_megatron.agent.errors import ToolConfigError, ToolError, ToolTimeout
 from rlhf_megatron.agent.sandbox import SandboxResult, run_python
 from rlhf_megatron.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
 
@@ -135,8 +136,10 @@ class CodeInterpreterTool(BaseTool):
         )
         result = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         text = format_result(result)
+        if result.status in ("timeout", "cpu_limit"):
+            raise ToolTimeout(text)  # status "timeout": the loop counts it in tool_timeouts
         if not result.ok:
-            raise ToolError(text)  # status "error": the loop counts it
+            raise ToolError(text)  # status "error": the loop counts it in tool_errors
         return ToolResponse(text=text), 0.0, {"status": result.status, "duration_s": result.duration_s}
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
