@@ -138,8 +138,8 @@ TransformerImpl = _choice(
 )
 AttentionBackend = _choice(
     "AttentionBackend",
-    ("local", "sdpa"),
-    "``<role>.megatron.attention_backend``: the local layers' core attention.",
+    ("auto", "local", "sdpa"),
+    "``<role>.megatron.attention_backend``: the local layers' core attention (auto: sdpa on CUDA).",
 )
 WarmupStyle = _choice(
     "WarmupStyle", ("constant", "cosine"), "``<role>.optim.warmup_style``: the schedule after warmup."

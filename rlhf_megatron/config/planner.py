@@ -19,19 +19,20 @@ for every role and every phase of a PPO step, and whether the peak fits
   bf16 buffer of one layer's scores (megatron's global memory buffer) once it has run; the
   local figures were measured on an H100 (``tools/gpu/measure.py``,
   ``docs/gpu_h100_measure.json``). Local layers with torch's fused attention
-  (``megatron.attention_backend=sdpa``) keep no scores (only each row's log-sum-exp) and do not
-  repeat K and V; not measured on a GPU yet. With sequence parallelism everything divides by TP,
+  (``megatron.attention_backend=sdpa``, or ``auto`` on GPU) keep no scores (only each row's
+  log-sum-exp) and do not repeat K and V (measured on an H200, ``docs/gpu_h200_mfu*.json``). With sequence parallelism everything divides by TP,
   otherwise the 4h part does not; CP divides the sequence. Selective recomputation drops
   the softmax term; full recomputation keeps only each layer's input plus the layers being
   recomputed. The first 1F1B stage holds PP micro-batches in flight (x (1 + (PP-1)/(PP VPP))
   with interleaving); the last stage holds one plus the logits.
 * Logits of a micro-batch (vocab / TP per rank): the LM head's bf16 logits over every token,
   the loss functions' fp32 blocks (they go through the logits in blocks of 32 Mi logits and
-  recompute the softmax in backward), and for an update the logits' gradient over the
-  response window and then over every position. Measured on an H100 before the loss functions
+  recompute the softmax in backward), and for an update one gradient of the logits' size (the
+  response window's, then widened to every position). Measured on an H100 before the loss functions
   worked in blocks: 7.25 fp32 copies of the response window's logits at an update's peak, 3.0
   for a log-prob pass. A forward-only pass frees each layer's activations as it goes, so its
-  peak is the larger of one layer's and the logits'.
+  peak is the larger of one layer's and the logits' (two copies of them for a moment: megatron
+  writes them sequence-first and copies them batch-first).
 * vLLM claims ``gpu_memory_utilization`` x GPU memory for weights (bf16 / rollout TP), its
   profiling activations and the KV cache; the KV cache gets what is left.
 * Phases of a colocated step: weight sync, generation, old/ref log-probs, critic values,
@@ -291,11 +292,13 @@ LOSS_CHUNK_BYTES = 4 * 4 * 32 * 2**20
 def transformer_impl(cfg: DictConfig, m: DictConfig) -> str:
     """The layers a role is built with: ``megatron.transformer_impl``, ``auto`` read as
     transformer-engine on GPU (the GPU image carries it) and local on CPU; local layers with
-    ``megatron.attention_backend=sdpa`` read as ``sdpa``."""
+    ``megatron.attention_backend=sdpa`` (or ``auto`` on GPU) read as ``sdpa``."""
     impl = m.transformer_impl
+    cpu = cfg.trainer.device == "cpu"
     if impl == "auto":
-        impl = "local" if cfg.trainer.device == "cpu" else "transformer_engine"
-    return "sdpa" if impl == "local" and m.attention_backend == "sdpa" else impl
+        impl = "local" if cpu else "transformer_engine"
+    sdpa = m.attention_backend == "sdpa" or (m.attention_backend == "auto" and not cpu)
+    return "sdpa" if impl == "local" and sdpa else impl
 
 
 def _scores(arch: ModelArch, m: DictConfig, tokens: float, seq: int) -> float:
@@ -333,8 +336,9 @@ def _activation_per_layer(
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
     split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
     if impl in ("local", "sdpa"):
-        # megatron's local SwiGLU is unfused and keeps silu(gate) beside the product (measured on an H100)
-        split += arch.ffn_hidden_size / tp if arch.moe is None else 0.0
+        # megatron's local SwiGLU is unfused: beside the product it keeps silu(gate) and
+        # up + glu_linear_offset (a new tensor even at offset 0) (measured on an H100 and an H200)
+        split += 2 * arch.ffn_hidden_size / tp if arch.moe is None else 0.0
     if impl == "local":
         # megatron's local attention repeats K and V to every query head (GQA) (measured on an H100)
         split += 2 * (q - kv) / tp
@@ -375,11 +379,16 @@ def _stage_activations(
 
 def _logits(tokens: float, response_share: float, vocab: float, e: int, trains: bool) -> float:
     """The LM head's logits of ``tokens`` tokens (``vocab`` per rank, activation dtype), the loss
-    functions' fp32 blocks, and for an update the logits' gradient: over the response window,
-    then over every position."""
+    functions' fp32 blocks, and for an update one gradient of the logits' size (the response
+    window's gradient is widened to every position; at the peak the two together hold about one
+    copy beside the logits: measured on an H200 from 2K to 32K tokens, ``tools/gpu/mfu.py``)."""
     blocks = min(LOSS_CHUNK_BYTES, 4 * 4 * tokens * response_share * vocab)
-    grads = tokens * vocab * e * (1 + response_share) if trains else 0.0
-    return tokens * vocab * e + blocks + grads
+    logits = tokens * vocab * e
+    if not trains:
+        # megatron writes the logits sequence-first and copies them batch-first: two copies for a
+        # moment, more than the loss's blocks beside one (measured on an H200)
+        return logits + max(logits, blocks)
+    return logits + blocks + logits  # the logits, the loss's blocks, one gradient
 
 
 def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:

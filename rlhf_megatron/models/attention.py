@@ -9,7 +9,11 @@ is the same module (same constructor, attributes, inputs and output layout) with
 done by one fused torch call, which goes through the scores in blocks and keeps only each
 row's log-sum-exp for backward. The mask is the one ``models.forward.build_attention_mask``
 builds (causality, left padding, shared-prompt segments, a sliding window), so every layout
-the local attention supports gives the same outputs up to float rounding.
+the local attention supports gives the same outputs up to float rounding; or no mask at all
+(``is_causal``) for micro-batches of contiguous rows (``models.causal_rows``). On an H200 with
+torch 2.11 both run cuDNN's fused attention, the causal one 2.6x faster than the masked one
+(forward + backward of 2 x 2048 tokens, 32 query / 8 KV heads: 0.45 against 1.16 ms,
+``docs/gpu_h200_mfu_steps.json``).
 
 Megatron features with no SDPA equivalent here (attention dropout, an off-by-one or learned
 softmax offset, query-key layer scaling, a ``window_size`` given to megatron instead of the

@@ -36,6 +36,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.attention import SDPAttention
+from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
 from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
@@ -46,12 +47,18 @@ from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_v
 from rlhf_megatron.platform import is_cuda
 
 __all__ = [
+    "CAUSAL_ROWS_FROM",
     "ParallelConfig",
     "build_gpt_model",
     "build_transformer_config",
     "mark_tensor_parallel_weights",
     "use_transformer_engine",
 ]
+
+
+CAUSAL_ROWS_FROM = 8192
+"""Micro-batch size (tokens: rows x columns) from which sdpa attention on CUDA takes contiguous rows
+without a mask (``models.causal_rows``; measured on an H200)."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,8 @@ def build_gpt_model(
     head_seed: int = 0,
     freeze_vision_tower: bool = False,
     attention_backend: str = "local",
+    causal_rows: int | str | None = "auto",
+    fuse_swiglu: bool = False,
     **config_overrides,
 ) -> list[GPTModel | VisionLanguageModel]:
     """This rank's model chunks (one per virtual pipeline stage), built for ``arch.head``.
@@ -308,10 +317,21 @@ def build_gpt_model(
     ``TransformerConfig``, e.g. ``moe_aux_loss_coeff=0.01`` (instead of the HF config's
     ``router_aux_loss_coef``) or ``moe_enable_routing_replay=True``. ``attention_backend``: the
     local layers' core attention, megatron's unfused ``local`` one or ``sdpa`` (torch's fused
-    ``scaled_dot_product_attention``, ``models.attention``); transformer-engine layers bring
-    their own.
+    ``scaled_dot_product_attention``, ``models.attention``) or ``auto`` (sdpa for local layers
+    on CUDA, else local); transformer-engine layers bring their own.
+
+    ``causal_rows``: sdpa attention takes contiguous rows without a mask (``models.causal_rows``:
+    the causal kernel, 2.6x faster than the masked one at 2K tokens on an H200) in micro-batches
+    of at least this many tokens (rows x columns; 0: all); None: never; ``auto``: from
+    ``CAUSAL_ROWS_FROM`` tokens on CUDA, never on CPU (its host sync outweighs the gain in smaller
+    micro-batches).
+    ``fuse_swiglu``: SwiGLU through megatron's ``torch.compile``d kernel
+    (``bias_activation_fusion``): on an H200 2 GiB less memory at the 1.24B model's 2K-token
+    update, no faster (``tools/gpu/mfu.py``), so off unless asked for.
     """
     use_te = use_transformer_engine() if use_te is None else use_te
+    if attention_backend == "auto":
+        attention_backend = "sdpa" if is_cuda() and not use_te else "local"
     if use_te and attention_backend != "local":
         raise ValueError(
             f"megatron.attention_backend={attention_backend} replaces the local layers' attention, but this "
@@ -325,6 +345,10 @@ def build_gpt_model(
             "environment; install it (the GPU image has it) or set the role's megatron.transformer_impl=local"
         )
     _check_parallel(arch, parallel, use_te)
+    if causal_rows == "auto":
+        causal_rows = CAUSAL_ROWS_FROM if is_cuda() else None
+    if fuse_swiglu:
+        config_overrides = {"bias_activation_fusion": True, **config_overrides}
     config = build_transformer_config(arch, parallel, params_dtype, init_weights, use_te, **config_overrides)
     spec = _layer_spec(arch, use_te)
     if arch.moe is not None and not use_te:
@@ -359,6 +383,8 @@ def build_gpt_model(
             vp_stage=stage,
             **_rope_kwargs(arch),
         )
+        if attention_backend == "sdpa" and not vl and parallel.context_parallel_size == 1:
+            setattr(model, CAUSAL_ROWS_ATTR, causal_rows)
         if post and not lm:
             attach_scalar_head(model, bias=arch.head_bias, seed=head_seed)
         if vl:

@@ -6,7 +6,9 @@ The primitives the actor, critic and reference workers build on:
   (causal + padding, optional sliding window). Callers never rely on
   megatron's default mask, which hard-codes CUDA and ignores padding.
 - ``model_forward``: one chunk, one micro-batch; for use inside a
-  ``forward_step_func`` of megatron's pipeline schedules.
+  ``forward_step_func`` of megatron's pipeline schedules. Chunks built with
+  ``causal_rows`` (fused attention; on CUDA from 8K-token micro-batches) get contiguous
+  rows rolled to column 0 and no mask, so the causal kernels run (``causal_rows.py``).
 - ``forward_logits_or_values``: a whole forward-only pass through megatron's
   schedule (any TP/PP/VPP), returning the last stage's output.
 - ``vocab_parallel_log_probs`` / ``vocab_parallel_entropy``: per-token
@@ -40,6 +42,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from rlhf_megatron.models.causal_rows import causal_shifts, is_last_stage, roll_rows, takes_causal_rows
 
 __all__ = [
     "build_attention_mask",
@@ -116,7 +120,6 @@ def model_forward(
     from rlhf_megatron.models.moe import has_experts
     from rlhf_megatron.models.vision_language import vision_language_model
 
-    mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
     vl = vision_language_model(chunk)
     if vl is None:
         if pixel_values is not None or (position_ids is not None and position_ids.dim() != 2):
@@ -125,12 +128,38 @@ def model_forward(
             )
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
+        shifts = _causal_shifts(chunk, attention_mask, sliding_window, segment_ids)
+        if shifts is not None:  # contiguous rows: rolled to start at column 0, no mask (causal_rows.py)
+            input_ids, attention_mask, position_ids = (
+                roll_rows(t, shifts) for t in (input_ids, attention_mask, position_ids)
+            )
+            mask = None
+        else:
+            mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
         if has_experts(chunk):
-            return chunk(input_ids, position_ids, mask, padding_mask=_moe_padding_mask(chunk, attention_mask))
-        return chunk(input_ids, position_ids, mask)
+            out = chunk(input_ids, position_ids, mask, padding_mask=_moe_padding_mask(chunk, attention_mask))
+        else:
+            out = chunk(input_ids, position_ids, mask)
+        return roll_rows(out, shifts, back=True) if shifts is not None and is_last_stage(chunk) else out
+    mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
     position_ids = _mrope_positions(vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
     pos = position_ids.transpose(0, 1).contiguous()  # (3, B, S), megatron's layout
     return chunk(input_ids, pos, mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+
+def _causal_shifts(
+    chunk: torch.nn.Module,
+    attention_mask: torch.Tensor,
+    sliding_window: int | None,
+    segment_ids: torch.Tensor | None,
+) -> list[int] | None:
+    """The rows' shifts when ``chunk`` takes a micro-batch this large without a mask and causality
+    alone is exact for it (no packed segments, no window shorter than the rows); else None."""
+    if not takes_causal_rows(chunk, attention_mask.numel()) or segment_ids is not None:
+        return None
+    if sliding_window is not None and sliding_window < attention_mask.shape[1]:
+        return None
+    return causal_shifts(attention_mask)
 
 
 def _moe_padding_mask(chunk: torch.nn.Module, attention_mask: torch.Tensor) -> torch.Tensor:

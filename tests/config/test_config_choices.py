@@ -42,7 +42,7 @@ ENUM_CASES = {
         "actor_rollout_ref.actor.megatron.transformer_impl",
         "is not one of: auto, transformer_engine, local",
     ),
-    choices.AttentionBackend: ("reward_model.megatron.attention_backend", "is not one of: local, sdpa"),
+    choices.AttentionBackend: ("reward_model.megatron.attention_backend", "is not one of: auto, local, sdpa"),
     choices.WarmupStyle: ("critic.optim.warmup_style", "is not one of: constant, cosine"),
     choices.RouterReplayMode: (
         "actor_rollout_ref.actor.router_replay.mode",

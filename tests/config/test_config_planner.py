@@ -154,17 +154,21 @@ def test_activation_formula_by_hand():
 def test_local_attention_terms_measured_on_an_h100():
     """megatron's local (unfused) attention, as measured on an H100 (docs/gpu_h100_measure.json):
     6 bytes per score kept per layer (fp32 softmax output + bf16 copy), one bf16 buffer of a
-    layer's scores, K/V repeated to every query head, silu(gate) kept beside the SwiGLU product;
-    selective recompute keeps no scores but recomputes one layer's softmax (12 bytes a score)."""
-    local = "actor_rollout_ref.actor.megatron.transformer_impl=local"
+    layer's scores, K/V repeated to every query head, silu(gate) and up + glu_linear_offset kept
+    beside the SwiGLU product (the latter measured on an H200); selective recompute keeps no scores
+    but recomputes one layer's softmax (12 bytes a score)."""
+    local = (
+        "actor_rollout_ref.actor.megatron.transformer_impl=local",
+        "actor_rollout_ref.actor.megatron.attention_backend=local",
+    )
     tokens, scores = 4 * 1024, 4 * 4 * 1024 * 1024  # micro-batch 4 x 1024: 4 heads x 1024 x 1024 each
     per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512)
-    local_per_token = per_token_layer + 2 * (2 * (256 - 128) + 512)
-    actor = _actor(local)
+    local_per_token = per_token_layer + 2 * (2 * (256 - 128) + 2 * 512)
+    actor = _actor(*local)
     assert actor.activations == pytest.approx(4 * (tokens * local_per_token + 6 * scores) + 2 * scores)
     selective = 4 * tokens * local_per_token + 2 * scores + 12 * scores
     assert actor.activations_other == pytest.approx(selective)
-    rows = make_cfg(local, validate=True).actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    rows = make_cfg(*local, validate=True).actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     fwd_tokens, fwd_scores = rows * 1024, rows * 4 * 1024 * 1024
     # a forward-only pass: one layer at a time, at its softmax's peak
     assert actor.forward_activations == pytest.approx(fwd_tokens * local_per_token + (12 + 2) * fwd_scores)
@@ -175,19 +179,24 @@ def test_local_attention_terms_measured_on_an_h100():
 
 
 def test_sdpa_attention_keeps_no_scores_and_no_repeated_kv():
-    """Local layers with torch's fused attention: the local MLP's silu(gate) stays, the scores, the
-    score buffer, the softmax peak and the K/V repeated to every query head go."""
+    """Local layers with torch's fused attention: the local MLP's silu(gate) and up + offset stay,
+    the scores, the score buffer, the softmax peak and the K/V repeated to every query head go.
+    ``attention_backend=auto`` (the default) is sdpa on GPU and local on CPU."""
     sdpa = (
         "actor_rollout_ref.actor.megatron.transformer_impl=local",
         "actor_rollout_ref.actor.megatron.attention_backend=sdpa",
     )
     tokens = 4 * 1024
-    per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512) + 2 * 512  # + silu(gate)
+    per_token_layer = 2 * (4 * 256 + 2 * 256 + 2 * 128 + 3 * 512) + 2 * 2 * 512  # + silu(gate), up + 0
     actor = _actor(*sdpa)
     assert actor.activations == pytest.approx(4 * tokens * per_token_layer)
     assert actor.activations_other == pytest.approx(4 * tokens * per_token_layer)
     rows = make_cfg(*sdpa, validate=True).actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     assert actor.forward_activations == pytest.approx(rows * 1024 * per_token_layer)
+    assert _actor(sdpa[0]).activations == actor.activations  # auto on GPU
+    cpu = ("trainer.device=cpu", "trainer.n_gpus_per_node=2")
+    local = _actor(*cpu, sdpa[0], "actor_rollout_ref.actor.megatron.attention_backend=local").activations
+    assert _actor(*cpu, sdpa[0]).activations == local != _actor(*cpu, *sdpa).activations
     # transformer-engine layers bring their own attention: the key changes nothing there
     te = "actor_rollout_ref.actor.megatron.transformer_impl=transformer_engine"
     assert _actor(te, sdpa[1]).activations == _actor(te).activations
@@ -208,9 +217,10 @@ def test_logits_and_their_gradients_with_chunked_loss_functions():
     train = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * seq
     fwd = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu * seq
     blocks = lambda n: min(LOSS_CHUNK_BYTES, 16 * n * share * vocab)  # noqa: E731
-    # bf16 logits, the fp32 blocks, and (update) the gradient over the response window and every position
-    assert actor.logits == pytest.approx(train * vocab * 2 + blocks(train) + train * vocab * 2 * (1 + share))
-    assert actor.forward_logits == pytest.approx(fwd * vocab * 2 + blocks(fwd))
+    # bf16 logits, the fp32 blocks and (update) one gradient of the logits' size
+    assert actor.logits == pytest.approx(train * vocab * 2 + blocks(train) + train * vocab * 2)
+    # forward only: the logits sequence-first and their batch-first copy, or one copy and the blocks
+    assert actor.forward_logits == pytest.approx(fwd * vocab * 2 + max(fwd * vocab * 2, blocks(fwd)))
     # a forward-only pass frees each layer before the logits exist: the larger of the two counts
     assert actor.forward_phase() == pytest.approx(
         actor.with_weights() + max(actor.forward_activations, actor.forward_logits)

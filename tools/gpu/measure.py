@@ -64,6 +64,10 @@ MODELS = {
     "llama-1b": dict(
         layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256, tied=True
     ),
+    # Llama-3.2-3B's shape (3.21B parameters).
+    "llama-3b": dict(
+        layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, vocab=128256, tied=True
+    ),
     "tiny": dict(layers=2, hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=1024, tied=True),
 }
 RECOMPUTE = {  # mode -> MegatronConfig overrides
@@ -226,7 +230,7 @@ def _event_median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def llama_config(shape: dict):
+def llama_config(shape: dict, max_positions: int = 8192):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -237,7 +241,7 @@ def llama_config(shape: dict):
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
         head_dim=shape["head_dim"],
-        max_position_embeddings=8192,
+        max_position_embeddings=max_positions,
         rope_theta=500000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=shape["tied"],
@@ -249,11 +253,11 @@ def llama_config(shape: dict):
     return config
 
 
-def write_model(path: Path, shape: dict, cuda: bool) -> dict:
+def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) -> dict:
     """A random Llama-style HF checkpoint (bf16 on GPU, fp32 on CPU), std 0.02 as in Llama's init."""
     import transformers
 
-    config = llama_config(shape)
+    config = llama_config(shape, max_positions)
     dtype = torch.bfloat16 if cuda else torch.float32
     with Timer(cuda) as t:
         torch.manual_seed(0)
@@ -316,16 +320,23 @@ def run_config(args, model_dir: str) -> list[str]:
         "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
         # what the measured machine builds (and so what the planner should plan): TE where installed
         f"actor_rollout_ref.actor.megatron.transformer_impl={args.transformer_impl}",
+        # the measured layers' attention; runs recorded before the key had a default of auto were local
+        f"actor_rollout_ref.actor.megatron.attention_backend={getattr(args, 'attention_backend', 'local')}",
     ]
 
 
 def load_run_config(args, model_dir: str, recompute: str):
+    overrides = [
+        f"actor_rollout_ref.actor.megatron.{key}={value}" for key, value in RECOMPUTE[recompute].items()
+    ]
+    return load_config_with(args, model_dir, overrides)
+
+
+def load_config_with(args, model_dir: str, extra: list[str]):
+    """The run config of this measurement, with ``extra`` overrides after ``run_config``'s."""
     from rlhf_megatron.config import load_config
 
-    overrides = run_config(args, model_dir)
-    for key, value in RECOMPUTE[recompute].items():
-        overrides.append(f"actor_rollout_ref.actor.megatron.{key}={value}")
-    return load_config(None, overrides, world_size=1)
+    return load_config(None, [*run_config(args, model_dir), *extra], world_size=1)
 
 
 def synthetic_batch(args, vocab: int, seed: int) -> dict:
@@ -603,6 +614,12 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "local", "sdpa"),
+        help="megatron.attention_backend",
+    )
     parser.add_argument(
         "--replan",
         action="store_true",

@@ -5,6 +5,7 @@
 #
 #   bash tools/gpu/run.sh wheels              # here, with network: fetch the wheels into .whl/
 #   bash tools/gpu/run.sh OUT.json [ARGS...]  # there, from the repository root (ARGS go to measure.py)
+#   bash tools/gpu/run.sh --mfu OUT.json [ARGS...]  # there: tools/gpu/mfu.py instead (issue #38)
 #
 # The wheels (~3.7 MB): megatron-core 0.16.1 (cp312), omegaconf 2.3.1, antlr4-python3-runtime
 # 4.9.3 (built here from its sdist, pure Python), tensordict 0.15.3 and pyvers 0.2.3 (the Batch).
@@ -25,10 +26,15 @@ if [[ "${1:-}" == "wheels" ]]; then
     exit 0
 fi
 
-OUT_JSON=${1:?usage: bash tools/gpu/run.sh OUT.json [measure.py args] | bash tools/gpu/run.sh wheels}
+SCRIPT=tools/gpu/measure.py
+if [[ "${1:-}" == "--mfu" ]]; then
+    SCRIPT=tools/gpu/mfu.py
+    shift
+fi
+OUT_JSON=${1:?usage: bash tools/gpu/run.sh [--mfu] OUT.json [script args] | bash tools/gpu/run.sh wheels}
 shift
 SITE=$(mktemp -d /tmp/gpu_site.XXXXXX)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi || true
-exec "$PY" tools/gpu/measure.py --out "$OUT_JSON" "$@"
+exec "$PY" "$SCRIPT" --out "$OUT_JSON" "$@"
