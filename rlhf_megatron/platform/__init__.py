@@ -283,7 +283,7 @@ def set_seed(seed: int, deterministic: bool | None = None) -> None:
     None: as the environment's ``RLHF_DETERMINISTIC`` says (1 or 0), else on CPU only.
 
     On CPU this makes runs bit-identical. On GPU they cost time (on an H200, the 1.24B model's
-    update at 2K tokens 1.10 s with them against 0.99 s without, its log-prob pass 0.42 against
+    update at 2K tokens 1.10 s with them against 0.99 s without, its log-prob pass 0.43 against
     0.32 s: ``docs/gpu_h200_mfu_steps.json``) and still leave NCCL reductions, some atomics and
     vLLM's sampling kernels differing run to run, so they are off there unless asked for.
     """
