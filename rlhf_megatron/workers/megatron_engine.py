@@ -44,6 +44,7 @@ from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode
 from rlhf_megatron.models.routing_replay import RoutingReplay
+from rlhf_megatron.platform.fused_adam import fuse_torch_adam
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -172,23 +173,6 @@ def _check_moe_training(arch: ModelArch, parallel: ParallelConfig) -> None:
             "needs the role's megatron.sequence_parallel=true (or tensor_model_parallel_size=1, splitting "
             "the experts with expert_model_parallel_size instead)"
         )
-
-
-def _fuse_cpu_adam(optimizer) -> None:
-    """Run megatron's torch AdamW with torch's fused CPU kernel (one pass per parameter instead of
-    a dozen elementwise ops; ~5x faster here). Without transformer-engine or apex, megatron-core
-    builds ``torch.optim.AdamW`` without ``fused`` and has no switch for it; the kernel reads the
-    flag from each parameter group at every step. On GPU megatron already uses a fused Adam."""
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.AdamW):
-            continue
-        params = [p for group in inner.param_groups for p in group["params"]]
-        if any(p.device.type != "cpu" or not p.is_floating_point() for p in params):
-            continue
-        for group in inner.param_groups:
-            group["fused"], group["foreach"] = True, False
-        inner.defaults["fused"], inner.defaults["foreach"] = True, False
 
 
 def packs_prompts(arch: ModelArch, parallel: ParallelConfig) -> bool:
@@ -356,7 +340,7 @@ class MegatronEngine:
             use_distributed_optimizer=distributed_opt,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.chunks)
-        _fuse_cpu_adam(self.optimizer)
+        fuse_torch_adam(self.optimizer)  # torch's fused AdamW kernel, on CPU and CUDA
         warmup = optim.lr_warmup_steps
         if warmup < 0:
             warmup = int(optim.lr_warmup_steps_ratio * total_steps)
