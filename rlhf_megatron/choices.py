@@ -30,6 +30,7 @@ __all__ = [
     "EngineMode",
     "KLCtrlType",
     "LoadFormat",
+    "LoraSync",
     "NanPolicy",
     "OnError",
     "RecomputeGranularity",
@@ -109,6 +110,12 @@ LoadFormat = _choice(
     ("hf", "sharded", "dummy_megatron", "dummy_hf", "dummy_dtensor", "dummy"),
     "``actor_rollout_ref.rollout.load_format``: how actor weights reach vLLM (``VERL_LOAD_FORMATS``"
     " are verl's spellings, which mean hf).",
+)
+LoraSync = _choice(
+    "LoraSync",
+    ("auto", "adapter", "merged"),
+    "``actor_rollout_ref.rollout.lora_sync``: how a LoRA actor's weights reach the rollout (adapter: "
+    "only the adapters, served by vLLM's LoRA support; merged: base + adapters folded into full weights).",
 )
 VERL_LOAD_FORMATS: frozenset[str] = frozenset(
     {LoadFormat.dummy_megatron, LoadFormat.dummy_hf, LoadFormat.dummy_dtensor, LoadFormat.dummy}

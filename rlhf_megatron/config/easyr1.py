@@ -78,6 +78,7 @@ EASYR1_DEFAULTS: dict[str, Any] = {
     "worker.actor.model.enable_gradient_checkpointing": True,
     "worker.actor.model.trust_remote_code": True,
     "worker.actor.model.freeze_vision_tower": False,
+    "worker.actor.model.lora.alpha": 64,
     "worker.actor.optim.lr": 1e-6,
     "worker.actor.optim.weight_decay": 1e-2,
     "worker.actor.optim.lr_warmup_ratio": 0.0,
@@ -223,6 +224,10 @@ RULES: dict[str, Rule] = {
     "worker.actor.model.enable_gradient_checkpointing": _rule(f"{MODEL}.enable_gradient_checkpointing"),
     "worker.actor.model.trust_remote_code": _rule(f"{MODEL}.trust_remote_code"),
     "worker.actor.model.freeze_vision_tower": _rule(f"{MODEL}.freeze_vision_tower"),
+    "worker.actor.model.lora.rank": _rule(f"{MODEL}.lora_rank"),
+    "worker.actor.model.lora.alpha": _rule(f"{MODEL}.lora_alpha"),
+    "worker.actor.model.lora.target_modules": _rule(f"{MODEL}.target_modules"),
+    "worker.actor.model.lora.exclude_modules": _rule(f"{MODEL}.exclude_modules"),
     **_role_rules("worker.critic", "critic"),
     "worker.critic.micro_batch_size_per_device_for_experience": _rule(
         "critic.forward_micro_batch_size_per_gpu"
@@ -320,8 +325,6 @@ IGNORED: tuple[Ignored, ...] = (
     Ignored("worker.*.dynamic_batching", "micro-batches come from micro_batch_size_per_device_* here"),
     Ignored("worker.*.optim.strategy", "Megatron's Adam keeps fp32 master weights"),
     Ignored("worker.*.optim.training_steps", "derived from the data and epochs"),
-    Ignored("worker.actor.model.lora.rank", "LoRA is not supported", (0,)),
-    Ignored("worker.actor.model.lora", "LoRA is not supported (lora.rank is 0)"),
     Ignored("worker.rollout.seed", "rollouts are seeded from data.seed / trainer.seed"),
     Ignored("worker.rollout.disable_tqdm", "no progress bars in the rollout"),
     Ignored("worker.reward.reward_type", "rewards are functions (reward_type=function)", ("function",)),

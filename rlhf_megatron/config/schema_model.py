@@ -12,6 +12,7 @@ a layout to the model architecture or the cluster are in ``validate_layout.py``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,8 @@ __all__ = [
     "ACTOR_MEGATRON",
     "CheckpointConfig",
     "CriticModelConfig",
+    "LORA_MODULES",
+    "LoraConfig",
     "MegatronConfig",
     "ModelConfig",
     "OptimConfig",
@@ -38,6 +41,33 @@ __all__ = [
 ]
 
 ACTOR_MEGATRON = "actor_rollout_ref.actor.megatron"
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The HF linear layers of a decoder layer LoRA can adapt (``all-linear``: all of them; the LM
+head and a vision tower are never adapted)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The typed LoRA section both dialects map to (verl's ``actor_rollout_ref.model.lora_*`` and
+    ``target_modules``/``exclude_modules``, EasyR1's ``worker.actor.model.lora.*``): adapters of
+    ``rank`` and scale ``alpha / rank`` on the named linear layers, the base weights frozen."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] | str
+    """HF module names (``q_proj``, ... ``down_proj``; a name matches a module whose dotted HF name
+    ends with it), ``all-linear`` (every name of ``LORA_MODULES``; experts left out), or a regular
+    expression a module's full HF name must match."""
+    exclude_modules: tuple[str, ...] | str = ()
+    """Names or a regular expression, as ``target_modules``, taken out of the targets."""
+    adapter_path: str | None = None
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) the
+    adapters start from instead of their fresh initialisation."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass
@@ -85,6 +115,88 @@ class ModelConfig:
     """Vision-language models: keep the vision tower (patch embedding, blocks, merger) fixed:
     it gets no gradients and no optimizer state (EasyR1's
     ``worker.actor.model.freeze_vision_tower``). Text-only models ignore it."""
+
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight (full fine-tuning). Above 0 the actor trains low-rank
+    adapters on ``target_modules`` and its base weights stay frozen: only the adapters get
+    gradients and optimizer state, the reference policy is the same model with its adapters
+    switched off (no second copy), and only the adapters are synced to vLLM and checkpointed.
+    EasyR1's ``worker.actor.model.lora.rank``."""
+
+    lora_alpha: float = 16
+    """LoRA scaling: an adapter's output is multiplied by ``lora_alpha / lora_rank`` (PEFT's
+    convention)."""
+
+    target_modules: Any = "all-linear"
+    """The linear layers that get adapters: ``all-linear`` (every projection of every decoder
+    layer: q/k/v/o_proj, gate/up/down_proj; mixture-of-experts layers' experts are left out), a
+    list of HF module names (e.g. ``[q_proj, v_proj]``), or a regular expression a module's full
+    HF name (``model.layers.3.self_attn.q_proj``) must match."""
+
+    exclude_modules: Any = None
+    """Modules taken out of ``target_modules``: a list of names (``down_proj``, or a full HF name
+    such as ``model.layers.0.mlp.down_proj``) or a regular expression on the full HF name."""
+
+    lora_adapter_path: str | None = None
+    """A PEFT adapter directory (``adapter_config.json`` and ``adapter_model.safetensors``, as
+    PEFT's ``save_pretrained`` or ``rlhf-megatron convert --to peft`` write it) to start the
+    adapters from; its rank, alpha and target modules replace the keys above."""
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The LoRA section, or None for full fine-tuning (``lora_rank`` 0)."""
+        if not self.lora_rank:
+            return None
+        return LoraConfig(
+            rank=int(self.lora_rank),
+            alpha=float(self.lora_alpha),
+            target_modules=_names_or_pattern(self.target_modules),
+            exclude_modules=_names_or_pattern(self.exclude_modules),
+            adapter_path=self.lora_adapter_path,
+        )
+
+    def validate(self, key: str) -> list[str]:
+        """The LoRA keys' own rules (the module names against the model: ``validate_layout``)."""
+        out = []
+        if self.lora_rank is None or int(self.lora_rank) < 0:
+            out.append(f"{key}.lora_rank={self.lora_rank} must be >= 0 (0: full fine-tuning, no adapters)")
+            return out
+        if not self.lora_rank:
+            if self.lora_adapter_path:
+                out.append(
+                    f"{key}.lora_adapter_path={self.lora_adapter_path} asks for adapters, but {key}.lora_rank=0 "
+                    f"means full fine-tuning; set {key}.lora_rank to the adapter's rank"
+                )
+            return out
+        if not self.lora_alpha or float(self.lora_alpha) <= 0:
+            out.append(
+                f"{key}.lora_alpha={self.lora_alpha} must be > 0 (the adapters' scale is alpha / rank)"
+            )
+        for name in ("target_modules", "exclude_modules"):
+            value = getattr(self, name)
+            if value is None and name == "exclude_modules":
+                continue
+            if isinstance(value, str):
+                try:
+                    re.compile(value)
+                except re.error as e:
+                    out.append(
+                        f"{key}.{name}={value!r} is not a regular expression ({e}); give a list of names"
+                    )
+            elif not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value)):
+                out.append(f"{key}.{name}={value!r} must be all-linear, a list of module names or a regex")
+            elif name == "target_modules" and not value:
+                out.append(f"{key}.target_modules is empty: name the modules to adapt, or set lora_rank=0")
+        return out
+
+
+def _names_or_pattern(value: Any) -> tuple[str, ...] | str:
+    """A ``target_modules``/``exclude_modules`` value as LoraConfig holds it."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return value
+    return tuple(str(v) for v in value)
 
 
 @dataclass

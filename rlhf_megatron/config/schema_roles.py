@@ -27,6 +27,7 @@ from rlhf_megatron.choices import (
     Dtype,
     EngineMode,
     LoadFormat,
+    LoraSync,
     RolloutName,
     RouterReplayMode,
     ToolCallFormat,
@@ -408,6 +409,14 @@ class RolloutConfig:
     (GPU only: vLLM on CPU repacks its weights). verl's dummy_megatron / dummy_hf /
     dummy_dtensor / dummy are accepted and mean hf."""
 
+    lora_sync: LoraSync = LoraSync.auto
+    """With LoRA (``actor_rollout_ref.model.lora_rank`` > 0), what reaches the rollout after each
+    update. adapter: only the adapters, as a PEFT adapter with a new id each step, served by vLLM's
+    LoRA support (``enable_lora``; the base weights never move). merged: the base weights with the
+    adapters folded in (``W + scale B A``), streamed like full fine-tuning's. auto: adapter with
+    vLLM colocated, merged where adapters cannot go: the transformers engine (``name=hf``) and a
+    rollout on its own pool (``hybrid_engine=false``), whose wire carries full tensors. Our extension."""
+
     update_weights_bucket_megabytes: int = 512
     """Size of the buckets in which actor weights are pushed into vLLM; bounds the extra
     memory of a weight sync."""
@@ -494,12 +503,32 @@ class ActorRolloutRefConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
 
+    @property
+    def lora_sync(self) -> str:
+        """``rollout.lora_sync`` with auto resolved: adapter for vLLM in the actor's processes,
+        merged otherwise (meaningful only with LoRA)."""
+        mode = str(self.rollout.lora_sync)
+        if mode != "auto":
+            return mode
+        return "adapter" if self.rollout.name == "vllm" and self.hybrid_engine else "merged"
+
     def validate(self, key: str = "actor_rollout_ref", ref_built: bool = True) -> list[str]:
         """The actor's, reference's (``ref_built``: the run builds it) and rollout's rules, and,
         with the rollout on its own pool (``hybrid_engine=false``), that pool's size and a weight
         format it can receive."""
-        out = self.actor.validate(f"{key}.actor") + self.ref.validate(f"{key}.ref", built=ref_built)
+        out = self.model.validate(f"{key}.model")
+        out += self.actor.validate(f"{key}.actor") + self.ref.validate(f"{key}.ref", built=ref_built)
         out += self.rollout.validate(f"{key}.rollout")
+        if self.model.lora_rank and self.lora_sync == "adapter" and self.rollout.name != "vllm":
+            out.append(
+                f"{key}.rollout.lora_sync=adapter needs vLLM's LoRA support, but {key}.rollout.name="
+                f"{self.rollout.name}; use lora_sync=merged (or auto)"
+            )
+        if self.model.lora_rank and self.lora_sync == "adapter" and not self.hybrid_engine:
+            out.append(
+                f"{key}.rollout.lora_sync=adapter: a rollout on its own pool ({key}.hybrid_engine=false) "
+                "receives full tensors; use lora_sync=merged (or auto)"
+            )
         if self.hybrid_engine:
             return out
         rollout = f"{key}.rollout"
@@ -594,6 +623,12 @@ class CriticConfig:
         )
         if built:
             out = strategy_problem(key, self.strategy) + out + self.megatron.validate(f"{key}.megatron")
+            if self.model.lora_rank:
+                out.append(
+                    f"{key}.model.lora_rank={self.model.lora_rank}: LoRA is not supported on the critic (its "
+                    "value head and every weight train in full); set it to 0. LoRA on the actor "
+                    "(actor_rollout_ref.model.lora_rank) works with a fully trained critic"
+                )
         return out
 
 

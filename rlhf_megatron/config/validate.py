@@ -53,6 +53,7 @@ from rlhf_megatron.config.validate_layout import (
     check_vision_tp_divides_heads,
     check_world_divisible,
 )
+from rlhf_megatron.config.validate_lora import check_lora
 
 __all__ = [
     "ENGINES_WITH_LOG_PROBS",
@@ -254,6 +255,7 @@ SIZE_RULES: tuple[Rule, ...] = (
     check_expert_parallel,
     check_moe_training_layout,
     check_router_replay,
+    check_lora,
 )
 RULES: tuple[Rule, ...] = ALWAYS_RULES + SIZE_RULES
 

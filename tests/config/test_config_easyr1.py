@@ -144,13 +144,25 @@ def test_command_line_wins_and_load_checkpoint_path_resumes_from_it():
             "worker.reward.reward_type='batch' (command line) is not supported",
         ),
         ("worker.actor.loss_type=cispo", "worker.actor.loss_type='cispo' is not one of ['default', 'gspo']"),
-        ("worker.actor.model.lora.rank=8", "worker.actor.model.lora.rank=8 (command line) is not supported"),
+        ("worker.actor.model.lora.rnak=8", "did you mean 'worker.actor.model.lora.rank'?"),
     ],
 )
 def test_bad_easyr1_keys_are_named(override, message):
     with pytest.raises(ConfigError) as err:
         _load(override)
     assert any(message in e for e in err.value.errors), err.value.errors
+
+
+def test_easyr1_lora_keys_map_onto_verls():
+    cfg, _ = _load(
+        "worker.actor.model.lora.rank=8",
+        "worker.actor.model.lora.target_modules=[q_proj,v_proj]",
+        "worker.actor.model.lora.exclude_modules=.*layers\\.0\\..*",
+    )
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha) == (8, 64)  # EasyR1's default alpha, not verl's 16
+    assert list(model.target_modules) == ["q_proj", "v_proj"]
+    assert model.exclude_modules == ".*layers\\.0\\..*"
 
 
 def test_missing_config_file_and_mixed_dialects_are_errors(tmp_path):
