@@ -51,7 +51,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "rlhf_megatron.launch:main", "start Ray and the driver on Slurm, Kubernetes or this machine"
     ),
     "convert": Subcommand(
-        "rlhf_megatron.convert:main", "HF <-> megatron-core checkpoints (hf-to-mcore, mcore-to-hf)"
+        "rlhf_megatron.convert:main",
+        "HF <-> megatron-core checkpoints, LoRA exports (hf-to-mcore, mcore-to-hf, lora-to-peft, lora-to-hf)",
     ),
 }
 

@@ -13,10 +13,20 @@ Subcommands:
   or a trainer's ``<ckpt>/model``) to HF safetensors one tensor at a time, in
   one process, with megatron's loader reading one tensor per call. Memory is
   bounded by the largest tensor, whatever the model size.
+- ``lora-to-peft --ckpt DIR --out DIR [--base HF_DIR]``: a LoRA training
+  checkpoint's adapter (``<step>/actor/adapter``; ``--ckpt`` may name it, the
+  actor or the step) as a PEFT adapter directory (``PeftModel.from_pretrained``,
+  vLLM's ``LoRARequest``), checked against the base model's ``config.json``.
+- ``lora-to-hf --ckpt DIR --out DIR [--base HF_DIR]``: the base model with the
+  adapter merged in (``W + alpha/r * B A``), streamed tensor by tensor from the
+  base's safetensors like ``mcore-to-hf``, with its config and tokenizer.
+  The base is ``--base`` or the adapter's ``base_model_name_or_path``.
 
-Both validate everything they can before writing, write into a temporary
+All validate everything they can before writing, write into a temporary
 directory next to ``--out`` and rename it at the end (an interrupted run leaves
 no partial output), and refuse to replace ``--out`` without ``--force``.
+A full fine-tuning checkpoint given to ``lora-to-*``, or a LoRA one given to
+``mcore-to-hf``, is refused with the subcommand to use instead.
 """
 
 from __future__ import annotations
@@ -376,6 +386,37 @@ def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
     )
 
 
+def _write_hf_config(out_dir: Path, config: dict, arch: ModelArch) -> None:
+    """``config.json``, and a ``generation_config.json`` derived from it if none was copied."""
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if not (out_dir / "generation_config.json").exists() and arch.head == "lm":
+        from transformers import GenerationConfig, PretrainedConfig
+
+        # A transformers-5 vision-language config nests the language model's token ids.
+        text = config.get("text_config") or config
+        text = {k: v for k, v in text.items() if k not in ("text_config", "vision_config")}
+        GenerationConfig.from_model_config(PretrainedConfig(**text)).save_pretrained(out_dir)
+
+
+def _resolve_model_checkpoint(ckpt: str | Path) -> Path:
+    """``resolve_checkpoint_dir``, pointing a LoRA checkpoint (adapter, no ``model/``) to ``lora-to-*``."""
+    from rlhf_megatron.models.checkpoint import CheckpointError, resolve_checkpoint_dir
+
+    try:
+        return resolve_checkpoint_dir(ckpt)
+    except CheckpointError:
+        from rlhf_megatron.convert_lora import find_adapter
+
+        adapter = find_adapter(Path(ckpt).expanduser())
+        if adapter is None:
+            raise
+        raise ConversionError(
+            f"{ckpt} is a LoRA checkpoint: {adapter} holds its adapter and there are no full model "
+            f"weights (no model/); export it with `convert lora-to-hf --ckpt {ckpt} --out DIR` (base and "
+            f"adapter merged) or `convert lora-to-peft --ckpt {ckpt} --out DIR` (the adapter alone)"
+        ) from None
+
+
 def _ensure_process_group() -> bool:
     """megatron's loader needs torch.distributed; a one-process gloo group will do. True if created here."""
     if torch.distributed.is_initialized():
@@ -403,12 +444,11 @@ def convert_mcore_to_hf(
         copy_hf_side_files,
         iter_checkpoint_tensors,
         read_checkpoint_metadata,
-        resolve_checkpoint_dir,
         verify_checkpoint_files,
     )
     from rlhf_megatron.models.hf_io import SafetensorsShardWriter
 
-    ckpt_dir = resolve_checkpoint_dir(ckpt)
+    ckpt_dir = _resolve_model_checkpoint(ckpt)
     meta = read_checkpoint_metadata(ckpt_dir)
     if verify:
         verify_checkpoint_files(ckpt_dir, meta)
@@ -438,15 +478,7 @@ def convert_mcore_to_hf(
                 bar.update()
         writer.close()
         copy_hf_side_files(side_dir, tmp)
-        config = _hf_config(arch, side_dir / "config.json", out_dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if not (tmp / "generation_config.json").exists() and arch.head == "lm":
-            from transformers import GenerationConfig, PretrainedConfig
-
-            # A transformers-5 vision-language config nests the language model's token ids.
-            text = config.get("text_config") or config
-            text = {k: v for k, v in text.items() if k not in ("text_config", "vision_config")}
-            GenerationConfig.from_model_config(PretrainedConfig(**text)).save_pretrained(tmp)
+        _write_hf_config(tmp, _hf_config(arch, side_dir / "config.json", out_dtype), arch)
         _publish(tmp, out, force)
     finally:
         if tmp.exists():
@@ -505,12 +537,33 @@ def build_parser() -> argparse.ArgumentParser:
     m2h.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     m2h.add_argument("--no-progress", action="store_true", help="no progress bar")
     m2h.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ckpt_help = "a LoRA checkpoint's adapter dir, its <step>/actor, or the <step> dir"
+    base_help = "base HF model dir (default: the adapter's base_model_name_or_path)"
+    l2p = sub.add_parser("lora-to-peft", help="LoRA checkpoint -> PEFT adapter directory")
+    l2p.add_argument("--ckpt", required=True, type=Path, help=ckpt_help)
+    l2p.add_argument("--out", required=True, type=Path, help="adapter directory to create")
+    l2p.add_argument("--base", type=Path, default=None, help=base_help)
+    l2p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    l2h = sub.add_parser("lora-to-hf", help="LoRA checkpoint + base -> merged HF safetensors")
+    l2h.add_argument("--ckpt", required=True, type=Path, help=ckpt_help)
+    l2h.add_argument("--out", required=True, type=Path, help="HF directory to create")
+    l2h.add_argument("--base", type=Path, default=None, help=base_help)
+    l2h.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="output dtype (default: as the base stores it)"
+    )
+    l2h.add_argument(
+        "--max-shard-size", type=_parse_size, default=2 * 1024**3, help="e.g. 2GB (default), 500MB"
+    )
+    l2h.add_argument("--no-progress", action="store_true", help="no progress bar")
+    l2h.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``tools/convert_ckpt.py`` and ``rlhf-megatron convert``. Returns the exit status."""
+    from rlhf_megatron.convert_lora import convert_lora_to_hf, convert_lora_to_peft
     from rlhf_megatron.models.checkpoint import CheckpointError
+    from rlhf_megatron.models.lora import LoraTargetError
     from rlhf_megatron.platform.multiproc import RankFailedError
 
     args = build_parser().parse_args(argv)
@@ -528,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.ep,
                 args.etp,
             )
-        else:
+        elif args.command == "mcore-to-hf":
             out = convert_mcore_to_hf(
                 args.ckpt,
                 args.out,
@@ -539,10 +592,23 @@ def main(argv: list[str] | None = None) -> int:
                 verify=not args.no_verify,
                 progress=not args.no_progress,
             )
+        elif args.command == "lora-to-peft":
+            out = convert_lora_to_peft(args.ckpt, args.out, args.base, args.force)
+        else:
+            out = convert_lora_to_hf(
+                args.ckpt,
+                args.out,
+                args.base,
+                args.dtype,
+                args.max_shard_size,
+                args.force,
+                progress=not args.no_progress,
+            )
     except (
         ConversionError,
         CheckpointError,
         HFCheckpointError,
+        LoraTargetError,
         SpecError,
         StageError,
         UnsupportedModelError,

@@ -32,14 +32,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import zlib
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
+from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rollout.base import (
     UNFINISHED_KEY,
@@ -247,6 +251,25 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     return count
 
 
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for size in _VLLM_LORA_RANKS:
+        if size >= rank:
+            return size
+    raise ValueError(
+        f"actor_rollout_ref.model.lora_rank={rank}: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}; "
+        "use a smaller rank or actor_rollout_ref.rollout.lora_sync=merged"
+    )
+
+
+def _shm_dir() -> str | None:
+    """A RAM-backed directory for per-step adapter files when there is one (Linux), else the default."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 class VLLMEngine:
     """vLLM behind the ``RolloutEngine`` interface (see ``rollout/base.py``)."""
 
@@ -261,7 +284,9 @@ class VLLMEngine:
         tensor_parallel_size: int | None = None,
         trust_remote_code: bool = False,
         return_routed_experts: bool = False,
+        lora_rank: int | None = None,
     ):
+        """``lora_rank``: serve LoRA adapters up to that rank on the base (``load_adapter``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
@@ -323,6 +348,13 @@ class VLLMEngine:
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             kwargs["enable_return_routed_experts"] = True
+        self.lora_request = None
+        """The adapter every request runs with (LoRA adapter sync), None: the weights alone."""
+        self.adapter_root: Path | None = None
+        if lora_rank:
+            # vLLM sizes its LoRA buffers for max_lora_rank, which must be one of its supported sizes.
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(lora_rank))
+            self.adapter_root = Path(tempfile.mkdtemp(prefix=f"rlhf_lora_{os.getpid()}_", dir=_shm_dir()))
         kwargs.update(rollout.engine_kwargs)
         self.llm = LLM(**kwargs)
         self.sleeping = False
@@ -385,7 +417,7 @@ class VLLMEngine:
             self._sampling_params(sampling, sampling.n, None if sampling.seed is None else sampling.seed + i)
             for i in range(len(requests))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         responses, log_probs, routes = [], [], []
         for out in outputs:
             if len(out.outputs) != sampling.n:
@@ -444,7 +476,11 @@ class VLLMEngine:
             prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
             turn = dataclasses.replace(sampling, n=1, response_length=max(int(max_new), 1), seed=None)
             params.append(self._sampling_params(turn, 1, seed))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outputs = (
+            self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+            if prompts
+            else []
+        )
         results = []
         for out in outputs:
             sample = out.outputs[0]
@@ -544,7 +580,7 @@ class VLLMEngine:
         state = {rid: ([], [], [False]) for rid in ids}
         for rid, (prompt, params) in zip(ids, requests):
             params.output_kind = RequestOutputKind.DELTA
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params, lora_request=self.lora_request)
         while engine.has_unfinished_requests():
             if stop is not None and self._agree(stop()):
                 engine.abort_request([rid for rid in ids if not state[rid][2][0]])
@@ -588,6 +624,24 @@ class VLLMEngine:
         # "Encoder cache miss". Clear both, through the engine.
         self.llm.llm_engine.reset_encoder_cache()
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], lora: LoraConfig, version: int) -> None:
+        """Serve the LoRA adapter ``tensors`` (whole, PEFT keys) from now on, as adapter id ``version``
+        (a new id each sync: vLLM caches adapters by id). Written as a PEFT directory under this
+        process's own temporary directory (every rank of a TP engine loads it from its own copy),
+        the previous one removed from the engine and from disk."""
+        from vllm.lora.request import LoRARequest
+
+        from rlhf_megatron.models.lora_io import write_peft_adapter
+
+        if self.adapter_root is None:
+            raise RuntimeError("VLLMEngine.load_adapter: the engine was built without LoRA (lora_rank)")
+        path = write_peft_adapter(self.adapter_root / f"v{version}", tensors, lora, None)
+        old = self.lora_request
+        self.lora_request = LoRARequest(f"actor_v{version}", version, str(path))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
     # ------------------------------------------------------------------ memory
     def sleep(self) -> None:
         """Release weights and KV cache between rollouts (GPU); a no-op on CPU."""
@@ -606,3 +660,5 @@ class VLLMEngine:
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        if self.adapter_root is not None:
+            shutil.rmtree(self.adapter_root, ignore_errors=True)

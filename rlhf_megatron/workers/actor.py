@@ -27,6 +27,8 @@ from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf_megatron.models.lora import adapters_disabled
+from rlhf_megatron.models.lora_io import merge_adapters
 from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
@@ -71,6 +73,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.agent = None
         """The multi-turn agent loop, on the colocated engine's leader (``workers.rollout.build_agent``)."""
         self.syncer: WeightSyncer | None = None
+        self.adapter_version = 0
+        """LoRA adapter sync: the id of the adapter the rollout engine serves (one per sync)."""
         self.sync_group = None
         """Disaggregated rollout, rank 0: the process group spanning the trainer and the rollout pool."""
         self.weights_stale = False
@@ -92,11 +96,13 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             freeze_vision_tower=arc.model.freeze_vision_tower,
             routing_replay=arc.actor.router_replay.mode != "disabled",
             pack_prompts=bool(arc.model.shared_prompt_packing),
+            lora=arc.model.lora,
         )
         self.engines = {"actor": self.actor}
         self._recorded_routes: tuple[torch.Tensor, torch.Tensor] | None = None
         """R2: (input_ids, routed_experts) of the last old-log-prob pass, kept on this rank."""
-        if self.context.plan.ref:
+        # LoRA: the reference policy is the actor's frozen base, its adapters off (no second copy).
+        if self.context.plan.ref and self.actor.lora is None:
             self.ref = MegatronEngine(
                 self.arch,
                 parallel,
@@ -116,11 +122,15 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             self.agent = build_agent(arc, self.rollout)
         groups = ParallelGroups.current()
         p = self.parallel
+        merged = self.actor.lora is not None and arc.lora_sync == "merged"
+        if self.actor.lora is not None:
+            # Adapters on a fresh base: the engine serves the base until it gets them.
+            self.weights_stale = True
         plan = build_sync_plan(
             self.arch,
             TrainLayout.of(p),
             self.rollout_tp,
-            arc.rollout.load_format,
+            "hf" if merged else arc.rollout.load_format,  # adapters fold in on HF names
             arc.rollout.update_weights_bucket_megabytes * 2**20,
             dtype_bytes=next(self.actor.chunks[0].parameters()).element_size(),
         )
@@ -140,7 +150,16 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         """Stream the actor's current weights into the rollout engine (collective over the actor).
         Returns the converter's per-phase seconds and peak bucket bytes as ``sync/*``."""
         self.rollout.wake_up()
-        self.rollout.update_weights(self.syncer.iter_weights())
+        lora = self.actor.lora
+        if lora is not None and self.section.lora_sync == "adapter":
+            self.adapter_version += 1
+            self.rollout.load_adapter(self.actor.full_adapters(), lora, self.adapter_version)
+        elif lora is not None:
+            self.rollout.update_weights(
+                merge_adapters(self.syncer.iter_weights(), self.actor.full_adapters(), lora.scale)
+            )
+        else:
+            self.rollout.update_weights(self.syncer.iter_weights())
         # Mid-call, not at its start: a kill as a queued call starts can lose the reply of the
         # call before it (Ray sends it after that call returns), and the death would surface there.
         fault_point("actor.sync", step=self.updates, rank=self.rank)
@@ -162,11 +181,15 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         bucket ``k`` is on the wire. Returns ``sync/*`` as ``sync_weights`` does, plus the wire's."""
         fault_point("actor.sync", step=self.updates, rank=self.rank)
         start = time.perf_counter()
+        buckets = self.syncer.iter_buckets()
+        if self.actor.lora is not None:  # the wire carries full tensors: adapters folded in
+            adapters, scale = self.actor.full_adapters(), self.actor.lora.scale
+            buckets = (list(merge_adapters(bucket, adapters, scale)) for bucket in buckets)
         if self.sync_group is not None:
-            wire = send_buckets(self.sync_group, self.syncer.iter_buckets(), version)
+            wire = send_buckets(self.sync_group, buckets, version)
         else:
             wire = {}
-            for _ in self.syncer.iter_buckets():
+            for _ in buckets:
                 pass
         stats = {f"sync/{k}": float(v) for k, v in self.syncer.stats.items()}
         stats.update({f"sync/wire_{k}": float(v) for k, v in wire.items()})
@@ -314,6 +337,10 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     @dispatch(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         """``ref_log_probs`` [B, R] of the reference policy."""
+        if self.ref is None and self.actor.lora is not None:
+            with adapters_disabled(self.actor.chunks):  # the base model is the reference
+                out = self._forward_log_probs(self.actor, batch)
+            return None if out is None else Batch.from_dict({"ref_log_probs": out["log_probs"]})
         if self.ref is None:
             raise RuntimeError(
                 "[actor] the reference model was not built (the run's RolePlan has no KL term)"

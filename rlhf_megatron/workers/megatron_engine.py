@@ -36,6 +36,7 @@ import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
+from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.data.balance import balance_partitions
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import concat_vision_inputs
@@ -183,6 +184,19 @@ def packs_prompts(arch: ModelArch, parallel: ParallelConfig) -> bool:
     return arch.moe is None and arch.vision is None and parallel.context_parallel_size == 1
 
 
+def _use_te(transformer_impl: str, lora: LoraConfig | None) -> bool | None:
+    """The builder's ``use_te``: LoRA's adapters hook megatron's local linears (transformer-engine
+    fuses the norm into its QKV/FC1 linears, whose input is then not the adapter's)."""
+    if lora is not None:
+        if transformer_impl == "transformer_engine":
+            raise ValueError(
+                "actor_rollout_ref.model.lora_rank > 0 adapts megatron's local layers; set "
+                "actor_rollout_ref.actor.megatron.transformer_impl=local (or auto) instead of transformer_engine"
+            )
+        return False
+    return {"auto": None, "transformer_engine": True, "local": False}[transformer_impl]
+
+
 def release_storages(tensors) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
     """Copy each distinct storage under ``tensors`` to host memory (pinned when it is on a GPU)
     and free it (resized to 0 bytes); the tensors and every view of them stay valid objects.
@@ -234,6 +248,7 @@ class MegatronEngine:
         freeze_vision_tower: bool = False,
         routing_replay: bool = False,
         pack_prompts: bool = False,
+        lora: LoraConfig | None = None,
     ):
         """A model from ``hf_path`` laid out per ``parallel``; trained with ``optim`` (its
         schedule spanning ``total_steps``), or frozen when ``optim`` is None. ``megatron``
@@ -242,7 +257,8 @@ class MegatronEngine:
         gradients, no optimizer state); ``routing_replay`` builds a mixture-of-experts model
         whose routers can record and replay their choices (``self.routing``); ``pack_prompts``
         packs the micro-batches of responses per prompt (``data.packing``; dense text models
-        without context parallelism, see ``packs_prompts``)."""
+        without context parallelism, see ``packs_prompts``); ``lora``: train adapters on the frozen
+        base (``models.lora``), started from ``lora.adapter_path`` when set."""
         from rlhf_megatron.models.loader import load_hf_weights
 
         self.arch = arch
@@ -264,13 +280,17 @@ class MegatronEngine:
             arch,
             parallel,
             params_dtype=DTYPES[megatron.params_dtype],
-            use_te={"auto": None, "transformer_engine": True, "local": False}[megatron.transformer_impl],
+            use_te=_use_te(megatron.transformer_impl, lora),
             init_weights=False,
             freeze_vision_tower=freeze_vision_tower,
             attention_backend=megatron.attention_backend,
             **overrides,
         )
         load_hf_weights(self.chunks, hf_path, arch)
+        self.lora = lora
+        """The adapters' settings (from ``lora.adapter_path``'s PEFT config when set); None: full training."""
+        self.adapter_params = self._attach_lora(lora) if lora is not None else 0
+        """Adapter parameters on this rank (0 without LoRA)."""
         self.config = self.chunks[0].config
         self.optimizer = None
         self.scheduler = None
@@ -284,6 +304,64 @@ class MegatronEngine:
         self.routing = self._routing_replay() if routing_replay else None
 
     # ------------------------------------------------------------------ training set-up
+    def _attach_lora(self, lora: LoraConfig) -> int:
+        """Adapters on the loaded base (frozen from here on), from ``lora.adapter_path`` if set."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf_megatron.models.lora import (
+            attach_lora,
+            load_full_adapter_tensors,
+            peft_keys,
+            resolve_targets,
+        )
+        from rlhf_megatron.models.lora_io import read_peft_adapter
+
+        tensors = None
+        if lora.adapter_path:  # the adapter's own rank, alpha and modules
+            lora, tensors = read_peft_adapter(lora.adapter_path, self.arch)
+            self.lora = lora
+        count = attach_lora(
+            self.chunks,
+            self.arch,
+            lora,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=self.parallel.tensor_model_parallel_size,
+            sequence_parallel=self.parallel.sequence_parallel,
+        )
+        if tensors is not None:
+            load_full_adapter_tensors(
+                self.chunks,
+                tensors,
+                ps.get_tensor_model_parallel_rank(),
+                f"actor_rollout_ref.model.lora_adapter_path={lora.adapter_path}",
+                expected=peft_keys(resolve_targets(self.arch, lora)),
+            )
+        return count
+
+    def load_adapters(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Whole PEFT-keyed adapter tensors into this rank's adapters (a checkpoint's)."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf_megatron.models.lora import load_full_adapter_tensors, peft_keys, resolve_targets
+
+        load_full_adapter_tensors(
+            self.chunks,
+            tensors,
+            ps.get_tensor_model_parallel_rank(),
+            source,
+            expected=peft_keys(resolve_targets(self.arch, self.lora)),
+        )
+
+    def full_adapters(self) -> dict[str, torch.Tensor]:
+        """Every adapter as whole PEFT-keyed tensors, on every rank (collective over TP and PP)."""
+        from megatron.core import parallel_state as ps
+
+        from rlhf_megatron.models.lora import full_adapter_tensors
+
+        return full_adapter_tensors(
+            self.chunks, ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+        )
+
     def _buffers(self) -> list:
         """DDP's gradient/parameter buffers of every chunk, the expert-parallel ones included."""
         return [

@@ -43,6 +43,7 @@ from rlhf_megatron.config.schema import (
 )
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.models.builder import ParallelConfig
+from rlhf_megatron.models.lora_io import ADAPTER_DIR, read_peft_adapter, write_peft_adapter
 from rlhf_megatron.models.moe import ExpertLoadRecorder
 from rlhf_megatron.platform import ParallelGroups, init_model_parallel
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
@@ -283,14 +284,27 @@ class MegatronRoleWorker(Worker):
         for name, engine in self.engines.items():
             if engine.optimizer is None:
                 continue  # frozen models (reference) are rebuilt from the HF checkpoint
-            save_model_checkpoint(
-                engine.chunks,
-                root / name / "model",
-                engine.arch,
-                engine.parallel,
-                hf_dir=self.path,
-                source=f"{self.role}:{name}",
-            )
+            (root / name).mkdir(parents=True, exist_ok=True)
+            if engine.lora is not None:
+                # LoRA: the adapters only, as a PEFT directory naming the base it adapts (collective).
+                adapters = engine.full_adapters()
+                if self.rank == 0:
+                    write_peft_adapter(
+                        root / name / ADAPTER_DIR,
+                        adapters,
+                        engine.lora,
+                        os.path.abspath(self.path),
+                        engine.arch.num_layers,
+                    )
+            else:
+                save_model_checkpoint(
+                    engine.chunks,
+                    root / name / "model",
+                    engine.arch,
+                    engine.parallel,
+                    hf_dir=self.path,
+                    source=f"{self.role}:{name}",
+                )
             state = {
                 "engine": engine.state_for_checkpoint(),
                 "rng": {
@@ -311,7 +325,11 @@ class MegatronRoleWorker(Worker):
         for name, engine in self.engines.items():
             if engine.optimizer is None:
                 continue
-            load_model_checkpoint(engine.chunks, root / name / "model")
+            if engine.lora is not None:
+                _, adapters = read_peft_adapter(root / name / ADAPTER_DIR, engine.arch)
+                engine.load_adapters(adapters, str(root / name / ADAPTER_DIR))
+            else:
+                load_model_checkpoint(engine.chunks, root / name / "model")
             path = root / name / f"state_rank{self.rank:05d}.pt"
             if not path.is_file():
                 raise FileNotFoundError(

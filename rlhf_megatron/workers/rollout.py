@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -93,6 +94,7 @@ def build_engine(
         {
             "tensor_parallel_size": rollout_tp,
             "return_routed_experts": section.actor.router_replay.mode == "R3",
+            "lora_rank": _served_lora_rank(section),
         }
         if rollout.name == "vllm"
         else {"eos_token_id": tok.eos_token_id}
@@ -107,6 +109,19 @@ def build_engine(
         trust_remote_code=model.trust_remote_code,
         **engine_args,
     )
+
+
+def _served_lora_rank(section: ActorRolloutRefConfig) -> int | None:
+    """The adapter rank vLLM must serve (LoRA with adapter sync; an imported adapter's own rank)."""
+    lora = section.model.lora
+    if lora is None or section.lora_sync != "adapter":
+        return None
+    if lora.adapter_path:
+        import json
+
+        config = Path(os.path.expanduser(lora.adapter_path)) / "adapter_config.json"
+        return int(json.loads(config.read_text())["r"])
+    return lora.rank
 
 
 def build_agent(section: ActorRolloutRefConfig, engine: RolloutEngine):
