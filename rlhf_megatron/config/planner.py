@@ -48,6 +48,17 @@ for every role and every phase of a PPO step, and whether the peak fits
 
 Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe side.
 
+LoRA (``actor_rollout_ref.model.lora_rank > 0``, terms in ``planner_lora.py``): the actor's base
+weights are frozen and held once in the model dtype; only its adapters (fp32, counted per
+pipeline stage and TP rank from ``models.lora.resolve_targets``) have weights in fp32, fp32 main
+grads and Adam m and v (no master copy: they are fp32 already), and an update keeps each
+adapted linear's fp32 input copy. The actor's layers are megatron's local ones (the adapters
+hook them): ``transformer_impl=auto`` reads as local. The reference policy is the actor with its
+adapters off: it has no weights of its own, runs in the actor's layout, and its log-prob phase
+brings the actor's weights back (``ref`` keeps only its activations and logits). vLLM holds one
+adapter slot beside the base weights. The weight-sync phase still counts the actor's weights on
+the GPU, although only the adapters are sent (it errs on the safe side and is rarely the peak).
+
 Mixture-of-experts models: a rank holds its stage's dense parts (attention, norms, routers,
 shared experts, dense MLPs, embedding) split by TP, and its stage's routed experts split by
 EP x ETP; the experts' fp32 grads and Adam state shard over the expert data-parallel group
@@ -82,6 +93,7 @@ from rlhf_megatron.config import roles as roles_mod
 from rlhf_megatron.config.arch import arch_for_role, count_parameters
 from rlhf_megatron.config.errors import ConfigError
 from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.config.planner_lora import AdapterPlan, adapter_plan
 from rlhf_megatron.config.roles import (
     ACTOR_TRAIN_MICRO,
     CRITIC_TRAIN_MICRO,
@@ -144,6 +156,12 @@ class RoleMemory:
     forward_logits: float
     trains: bool
     offload: dict[str, bool]
+    adapter_params: int = 0
+    """LoRA adapter parameters on this rank (fp32, inside ``weights``; with LoRA the only ones
+    with ``grads`` and ``optimizer`` state); 0 without LoRA."""
+    shares_weights: str | None = None
+    """The role whose weights this role's passes run on (LoRA's reference: ``actor``, with its
+    adapters off); its own ``weights`` are then 0. None: the role holds its own."""
 
     def _kept_state(self) -> float:
         if not self.trains:
@@ -184,6 +202,8 @@ class RolloutMemory:
     keeps_weights: bool
     keeps_kv: bool
     bucket: float
+    adapters: float = 0.0
+    """LoRA: one adapter slot (the actor's adapters in vLLM's dtype, split like ours over its TP)."""
 
 
 TRAINER_POOL, ROLLOUT_POOL = "trainer", "rollout"
@@ -218,6 +238,8 @@ class MemoryPlan:
     """Parameters one token passes through (a mixture-of-experts model's top-k experts; else the total)."""
     rollout_world: int | None = None
     """GPUs of the rollout's own pool (``actor_rollout_ref.hybrid_engine=false``); None when colocated."""
+    adapters: AdapterPlan | None = None
+    """The actor's LoRA adapters (``actor_rollout_ref.model.lora_rank > 0``); None for full fine-tuning."""
 
     @property
     def peak(self) -> Phase:
@@ -289,14 +311,15 @@ LOCAL_SOFTMAX_PEAK_BYTES = 12
 LOSS_CHUNK_BYTES = 4 * 4 * 32 * 2**20
 
 
-def transformer_impl(cfg: DictConfig, m: DictConfig) -> str:
+def transformer_impl(cfg: DictConfig, m: DictConfig, lora: bool = False) -> str:
     """The layers a role is built with: ``megatron.transformer_impl``, ``auto`` read as
-    transformer-engine on GPU (the GPU image carries it) and local on CPU; local layers with
+    transformer-engine on GPU (the GPU image carries it) and local on CPU, and as local for a
+    model with LoRA adapters (``lora``: they hook megatron's local linears); local layers with
     ``megatron.attention_backend=sdpa`` (or ``auto`` on GPU) read as ``sdpa``."""
     impl = m.transformer_impl
     cpu = cfg.trainer.device == "cpu"
     if impl == "auto":
-        impl = "local" if cpu else "transformer_engine"
+        impl = "local" if cpu or lora else "transformer_engine"
     sdpa = m.attention_backend == "sdpa" or (m.attention_backend == "auto" and not cpu)
     return "sdpa" if impl == "local" and sdpa else impl
 
@@ -325,8 +348,10 @@ def _activation_per_layer(
     seq: int,
     with_scores: bool,
     impl: str = "transformer_engine",
+    lora_bytes: float = 0.0,
 ) -> float:
-    """Bytes one layer keeps for backward for ``tokens`` tokens (micro-batch x sequence)."""
+    """Bytes one layer keeps for backward for ``tokens`` tokens (micro-batch x sequence);
+    ``lora_bytes`` per local token for the layer's adapters (``AdapterPlan.activation_bytes``)."""
     e = DTYPE_BYTES[m.params_dtype]
     tp, cp = m.tensor_model_parallel_size, m.context_parallel_size
     sp = m.sequence_parallel and tp > 1
@@ -342,15 +367,22 @@ def _activation_per_layer(
     if impl == "local":
         # megatron's local attention repeats K and V to every query head (GQA) (measured on an H100)
         split += 2 * (q - kv) / tp
-    per_token = e * (replicated + split)
+    per_token = e * (replicated + split) + lora_bytes
     scores = SCORE_BYTES[impl] * _scores(arch, m, tokens, seq) if with_scores else 0.0
     return local_tokens * per_token + scores
 
 
 def _stage_activations(
-    arch: ModelArch, m: DictConfig, tokens: float, seq: int, granularity: str | None, impl: str
+    arch: ModelArch,
+    m: DictConfig,
+    tokens: float,
+    seq: int,
+    granularity: str | None,
+    impl: str,
+    lora_bytes: float = 0.0,
 ) -> tuple[float, float]:
-    """(first stage, last stage) training activations, bytes, excluding logits."""
+    """(first stage, last stage) training activations, bytes, excluding logits (``lora_bytes``:
+    the adapters' per token and layer)."""
     pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
     layers = arch.num_layers // pp
     # 1F1B: the first stage runs PP forwards before its first backward. Interleaving (VPP)
@@ -358,12 +390,12 @@ def _stage_activations(
     inflight = float(pp)
     if vpp > 1:
         inflight *= 1 + (pp - 1) / (pp * vpp)
-    full = _activation_per_layer(arch, m, tokens, seq, granularity is None, impl)
+    full = _activation_per_layer(arch, m, tokens, seq, granularity is None, impl, lora_bytes)
     if granularity == "full":
         e, tp, sp = DTYPE_BYTES[m.params_dtype], m.tensor_model_parallel_size, m.sequence_parallel
         layer_input = e * tokens / m.context_parallel_size * arch.hidden_size / (tp if sp and tp > 1 else 1)
         k = m.recompute_num_layers or 1
-        dense = _activation_per_layer(arch, m, tokens, seq, True, impl)
+        dense = _activation_per_layer(arch, m, tokens, seq, True, impl, lora_bytes)
         if m.recompute_method == "block":  # first k layers of the stage recomputed, rest stored
             k = min(k, layers)
             per_microbatch, transient = k * layer_input + (layers - k) * dense, dense
@@ -391,24 +423,32 @@ def _logits(tokens: float, response_share: float, vocab: float, e: int, trains: 
     return logits + blocks + logits  # the logits, the loss's blocks, one gradient
 
 
-def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:
-    """``(dense, routed experts)`` parameter counts of the first and the last pipeline rank (one
-    entry when PP = 1); with VPP a rank holds every PP-th chunk of layers."""
-    c = count_parameters(arch)
+def _stage_layers(arch: ModelArch, pp: int, vpp: int | None = None) -> list[list[int]]:
+    """Global decoder layers of the first and the last pipeline rank (one entry, every layer,
+    when PP = 1); with VPP a rank holds every PP-th chunk of layers."""
     if pp == 1:
-        return [(c.total - sum(c.experts), sum(c.experts))]
+        return [list(range(arch.num_layers))]
     chunks = pp * (vpp or 1)
     size = arch.num_layers // chunks
 
     def layers_of(rank: int) -> list[int]:
         return [i for chunk in range(rank, chunks, pp) for i in range(chunk * size, (chunk + 1) * size)]
 
+    return [layers_of(0), layers_of(pp - 1)]
+
+
+def _stage_params(arch: ModelArch, pp: int, vpp: int | None = None) -> list[tuple[int, int]]:
+    """``(dense, routed experts)`` parameter counts of the first and the last pipeline rank (one
+    entry when PP = 1), as ``_stage_layers`` places the layers."""
+    c = count_parameters(arch)
+    if pp == 1:
+        return [(c.total - sum(c.experts), sum(c.experts))]
     value_head = arch.head != "lm"
     # A tied LM head keeps a copy of the embedding on the last stage.
     last_output = c.embedding if (arch.tie_word_embeddings and not value_head) else c.output
     out = []
-    for rank, extra in ((0, c.embedding + c.vision), (pp - 1, c.final_norm + last_output)):
-        mine = layers_of(rank)
+    extras = (c.embedding + c.vision, c.final_norm + last_output)
+    for mine, extra in zip(_stage_layers(arch, pp, vpp), extras):
         out.append((sum(c.layers[i] for i in mine) + extra, sum(c.experts[i] for i in mine)))
     return out
 
@@ -431,29 +471,83 @@ _ROLE_MICRO_KEYS = {
 }
 
 
-def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: int) -> RoleMemory:
-    m = megatron_section(cfg, role)
+def _stage_state(
+    m: DictConfig,
+    local_dense: float,
+    local_experts: float,
+    dp: int,
+    edp: int,
+    trains: bool,
+    adapters: tuple[AdapterPlan, list[int]] | None,
+) -> dict[str, float]:
+    """One rank's parameter counts and weights, grads and optimizer bytes. A trained role in
+    Megatron's mixed precision: fp32 grads and Adam (+ master copy unless fp32), over DP for the
+    dense parts and expert DP for the experts with the distributed optimizer. With LoRA
+    (``adapters``: the plan and the rank's layers) the base is frozen; only the fp32 adapters train."""
+    e, tp = DTYPE_BYTES[m.params_dtype], m.tensor_model_parallel_size
+    local = local_dense + local_experts
+    state = {
+        "params": int(local),
+        "adapter_params": 0,
+        "weights": local * e,
+        "grads": 0.0,
+        "optimizer": 0.0,
+        "optimizer_other": 0.0,
+    }
+    if not trains:
+        return state
+    distributed = m.use_distributed_optimizer
+    if adapters is not None:
+        plan, layers = adapters
+        lora = plan.training_state(tp, layers, dp, distributed)
+        return state | {
+            "adapter_params": lora["params"],
+            "weights": state["weights"] + lora["weights"],
+            "grads": lora["grads"],
+            "optimizer": lora["optimizer"],
+            "optimizer_other": lora["optimizer_other"],
+        }
+    master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
+    full = local * (master + 8)
+    sharded = (local_dense / dp + local_experts / edp) * (master + 8)
+    return state | {
+        "grads": local * 4,
+        "optimizer": sharded if distributed else full,
+        "optimizer_other": full if distributed else sharded,
+    }
+
+
+def _role_memory(
+    cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: int, adapters: AdapterPlan | None = None
+) -> RoleMemory:
+    """``role`` on its worst pipeline stage. With LoRA (``adapters``) the actor trains only its
+    adapters and the reference is the actor's model with them off: the actor's layout, no weights."""
+    shared = role == "ref" and adapters is not None
+    layout_role = "actor" if shared else role
+    m = megatron_section(cfg, layout_role)
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    dp = data_parallel_size(cfg, role, world) or 1
+    dp = data_parallel_size(cfg, layout_role, world) or 1
     e = DTYPE_BYTES[m.params_dtype]
     train_key, forward_key = _ROLE_MICRO_KEYS[role]
     trains = train_key is not None
     value_head = role in ("critic", "reward_model")
     vocab = 0 if value_head else arch.vocab_size
-    master = 0 if m.params_dtype == "float32" else 4  # fp32 master copy only in mixed precision
     fwd_tokens = _micro_tokens(cfg, forward_key, seq)
-    impl = transformer_impl(cfg, m)
+    impl = transformer_impl(cfg, m, lora=adapters is not None and role in ("actor", "ref"))
     # one layer: its stored scores, or (local attention) its softmax at the peak
     fwd_act = _activation_per_layer(arch, m, fwd_tokens, seq, impl != "local", impl)
     fwd_act += _softmax_peak(arch, m, fwd_tokens, seq, impl)
     fwd_held = _score_buffer(arch, m, fwd_tokens, seq, impl)  # from the first layer on
     fwd_act += _dispatch_bytes(arch, m, fwd_tokens) + fwd_held
+    trained_adapters = adapters if role == "actor" else None
     if trains:
         tokens = _micro_tokens(cfg, train_key, seq)
-        acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity, impl)
-        acts_other = _stage_activations(
-            arch, m, tokens, seq, None if m.recompute_granularity else "selective", impl
-        )
+        lora_bytes = 0.0
+        if trained_adapters is not None:
+            lora_bytes = trained_adapters.activation_bytes(tp, m.sequence_parallel, m.params_dtype)
+        acts = _stage_activations(arch, m, tokens, seq, m.recompute_granularity, impl, lora_bytes)
+        other = None if m.recompute_granularity else "selective"
+        acts_other = _stage_activations(arch, m, tokens, seq, other, impl, lora_bytes)
 
     # Value heads score the last token; the LM losses read the response positions.
     response_share = cfg.data.max_response_length / seq
@@ -462,23 +556,25 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
     layout = f"TP{tp} PP{pp} VPP{m.virtual_pipeline_model_parallel_size or '-'} CP{cp} DP{dp}"
     if arch.moe is not None:
         layout += f" EP{ep} ETP{etp}"
-    stages = _stage_params(arch, pp, m.virtual_pipeline_model_parallel_size)
+    if shared:
+        layout += " (actor's weights)"
+    stage_layers = _stage_layers(arch, pp, m.virtual_pipeline_model_parallel_size)
     candidates = []
-    for stage, (dense, experts) in enumerate(stages):
-        local_dense, local_experts = dense / tp, experts / (ep * etp)
-        local = local_dense + local_experts
-        first, last = stage == 0, stage == len(stages) - 1
-        opt_full = local * (master + 8)
-        opt_sharded = (local_dense / dp + local_experts / edp) * (master + 8)
+    for stage, (dense, experts) in enumerate(_stage_params(arch, pp, m.virtual_pipeline_model_parallel_size)):
+        first, last = stage == 0, stage == len(stage_layers) - 1
+        lora = (trained_adapters, stage_layers[stage]) if trained_adapters is not None else None
+        state = _stage_state(m, dense / tp, experts / (ep * etp), dp, edp, trains, lora)
+        if shared:  # the actor's weights: counted once, in the actor's row
+            state |= {"params": 0, "weights": 0.0}
         candidates.append(
             RoleMemory(
                 role=role,
                 layout=layout,
-                params=int(local),
-                weights=local * e,
-                grads=local * 4 if trains else 0.0,
-                optimizer=(opt_sharded if m.use_distributed_optimizer else opt_full) if trains else 0.0,
-                optimizer_other=(opt_full if m.use_distributed_optimizer else opt_sharded) if trains else 0.0,
+                params=int(state["params"]),
+                weights=state["weights"],
+                grads=state["grads"],
+                optimizer=state["optimizer"],
+                optimizer_other=state["optimizer_other"],
                 activations=(acts[0] if first else acts[1]) if trains else 0.0,
                 activations_other=(acts_other[0] if first else acts_other[1]) if trains else 0.0,
                 # bf16 logits of every token, the loss's fp32 blocks, (update) the logits' gradient
@@ -489,15 +585,21 @@ def _role_memory(cfg: DictConfig, role: str, arch: ModelArch, world: int, seq: i
                 else 0.0,
                 trains=trains,
                 offload={"param": m.param_offload, "grad": m.grad_offload, "optimizer": m.optimizer_offload},
+                adapter_params=int(state["adapter_params"]),
+                shares_weights="actor" if shared else None,
             )
         )
     return max(candidates, key=lambda r: max(r.training_phase() if trains else 0.0, r.forward_phase()))
 
 
-def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemory:
+def _rollout_memory(
+    cfg: DictConfig, arch: ModelArch, gpu: float, adapters: AdapterPlan | None = None
+) -> RolloutMemory:
+    """vLLM on one GPU; with LoRA (``adapters``) it also holds one adapter slot."""
     r = cfg.actor_rollout_ref.rollout
     tp, e = r.tensor_model_parallel_size, DTYPE_BYTES[r.dtype]
     weights = count_parameters(arch).total * e / tp
+    lora = adapters.params(tp=tp) * e if adapters is not None else 0.0
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     if arch.moe is not None:  # every token through k experts (and the shared one); dense layers if any
         routed = arch.moe.top_k * arch.moe.ffn_hidden_size + (arch.moe.shared_expert_ffn_hidden_size or 0)
@@ -511,7 +613,7 @@ def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemo
     budget = r.gpu_memory_utilization * gpu
     kv_heads_per_gpu = max(1, arch.num_kv_heads // tp)  # KV heads are replicated when TP exceeds them
     kv_per_token = 2 * arch.num_layers * kv_heads_per_gpu * d * e
-    kv_cache = budget - weights - overhead
+    kv_cache = budget - weights - lora - overhead
     sequence_tokens = r.prompt_length + r.response_length
     sequences = max(0, int(kv_cache // (kv_per_token * sequence_tokens)))
     sleeps = r.enable_sleep_mode and cfg.trainer.device != "cpu"
@@ -527,7 +629,18 @@ def _rollout_memory(cfg: DictConfig, arch: ModelArch, gpu: float) -> RolloutMemo
         keeps_weights=not sleeps,
         keeps_kv=not (sleeps or r.free_cache_engine),
         bucket=r.update_weights_bucket_megabytes * 1024**2,
+        adapters=lora,
     )
+
+
+def _role_parts(roles: dict[str, RoleMemory], running: str | None, own: float) -> dict[str, float]:
+    """Each role's memory while ``running`` runs: ``own`` for it; the role whose weights it runs
+    on (LoRA's reference on the actor's) with its weights brought back; the rest what they keep."""
+    lender = roles[running].shares_weights if running in roles else None
+    return {
+        role: own if role == running else mem.with_weights() if role == lender else mem.resident()
+        for role, mem in roles.items()
+    }
 
 
 def _phases(
@@ -543,8 +656,7 @@ def _phases(
     )
 
     def phase(name: str, running: str | None, own: float, vllm: float) -> Phase:
-        parts = {role: (own if role == running else mem.resident()) for role, mem in roles.items()}
-        return Phase(name, parts | {"vllm": vllm, "runtime": runtime})
+        return Phase(name, _role_parts(roles, running, own) | {"vllm": vllm, "runtime": runtime})
 
     actor = roles["actor"]
     # Weight sync: the actor's weights are gathered into vLLM's (awake) weights bucket by bucket.
@@ -570,7 +682,7 @@ def _disaggregated_phases(
     roles: dict[str, RoleMemory], rollout: RolloutMemory, runtime: float
 ) -> list[Phase]:
     def phase(name: str, running: str | None, own: float, extra: dict[str, float] | None = None) -> Phase:
-        parts = {role: (own if role == running else mem.resident()) for role, mem in roles.items()}
+        parts = _role_parts(roles, running, own)
         return Phase(name, parts | (extra or {}) | {"runtime": runtime}, TRAINER_POOL)
 
     actor = roles["actor"]
@@ -610,14 +722,17 @@ def plan_memory(
     archs = {role: arch_for_role(cfg, role) for role in active_roles(cfg)}
     if archs["actor"][0] is None:
         raise ConfigError(f"cannot plan memory: {archs['actor'][1]}; add a model_arch section to the preset")
+    adapters = adapter_plan(cfg, archs["actor"][0])
     roles = {}
     skipped = []
     for role, (arch, source) in archs.items():
         if arch is None:
             skipped.append(f"{role} ({source})")
             continue
-        roles[role] = _role_memory(cfg, role, arch, world, seq)
-    rollout = _rollout_memory(cfg, archs["actor"][0], gpu)
+        roles[role] = _role_memory(
+            cfg, role, arch, world, seq, adapters if role in ("actor", "ref") else None
+        )
+    rollout = _rollout_memory(cfg, archs["actor"][0], gpu, adapters)
     runtime = CPU_RUNTIME_OVERHEAD_GIB if cfg.trainer.device == "cpu" else RUNTIME_OVERHEAD_GIB
     colocated = bool(OmegaConf.select(cfg, "actor_rollout_ref.hybrid_engine", default=True))
     phases = _phases(roles, rollout, runtime * GIB, colocated)
@@ -632,6 +747,7 @@ def plan_memory(
         vision_params=count_parameters(archs["actor"][0]).vision,
         active_params=count_parameters(archs["actor"][0]).active,
         rollout_world=None if colocated else roles_mod.rollout_world_size(cfg),
+        adapters=adapters,
     )
     for phase in phases:
         if phase.total > gpu:
@@ -642,7 +758,8 @@ def plan_memory(
             )
     if rollout.sequences < 1:
         plan.problems.append(
-            f"vLLM's KV cache ({rollout.kv_cache / GIB:.1f} GiB after {rollout.weights / GIB:.1f} GiB of weights and "
+            f"vLLM's KV cache ({rollout.kv_cache / GIB:.1f} GiB after "
+            f"{(rollout.weights + rollout.adapters) / GIB:.1f} GiB of weights and "
             f"{rollout.overhead / GIB:.1f} GiB overhead) cannot hold one {seq}-token sequence; raise "
             "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"
         )
@@ -666,6 +783,7 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     if plan.vision_params:
         total += f", of which vision tower {_count(plan.vision_params)}"
     lines = [f"memory plan: {title} ({total})" if title else f"memory plan ({total})"]
+    lines += _format_lora(plan)
     pools = (
         f"world {plan.world} GPUs"
         if plan.rollout_world is None
@@ -692,10 +810,11 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     where = (
         "" if plan.rollout_world is None else f", on the rollout pool: {plan.rollout_world // ro.tp} engines"
     )
+    adapters = f" + LoRA adapters {ro.adapters / GIB:.2f}" if ro.adapters else ""
     lines += [
         "",
-        f"vLLM (TP{ro.tp}{where}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f} + overhead "
-        f"{ro.overhead / GIB:.2f} + KV cache {ro.kv_cache / GIB:.2f} GiB",
+        f"vLLM (TP{ro.tp}{where}): budget {ro.budget / GIB:.2f} GiB = weights {ro.weights / GIB:.2f}{adapters} + "
+        f"overhead {ro.overhead / GIB:.2f} + KV cache {ro.kv_cache / GIB:.2f} GiB",
         f"  KV cache {ro.kv_bytes_per_token / 1024:.1f} KiB/token -> {ro.sequences} sequences of {ro.sequence_tokens} tokens",
         "",
     ]
@@ -709,6 +828,27 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     lines += ["", *_format_peaks(plan)]
     lines += [f"  - {p}" for p in plan.problems]
     return "\n".join(lines)
+
+
+def _format_lora(plan: MemoryPlan) -> list[str]:
+    """LoRA's lines under the title: the adapters' size and where the reference's weights are."""
+    a = plan.adapters
+    if a is None:
+        return []
+    targets = a.lora.target_modules
+    shown = targets if isinstance(targets, str) else ",".join(targets)
+    actor = next((r for r in plan.roles if r.role == "actor"), None)
+    per_gpu = f"; {_count(actor.adapter_params)} on the worst GPU" if actor is not None else ""
+    lines = [
+        f"LoRA rank {a.lora.rank}, alpha {a.lora.alpha:g}, target_modules {shown}: {_count(a.total)} adapter "
+        f"parameters ({100 * a.total / plan.model_params:.2f}% of the model{per_gpu})",
+        "  train in fp32 with fp32 grads and Adam m, v; the base weights are frozen (no grads, no optimizer state)",
+    ]
+    if any(r.shares_weights for r in plan.roles):
+        lines.append(
+            "  the reference is the actor with its adapters off: it shares the actor's weights (none of its own)"
+        )
+    return lines
 
 
 def _format_peaks(plan: MemoryPlan) -> list[str]:

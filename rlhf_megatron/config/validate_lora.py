@@ -25,8 +25,8 @@ def check_lora(ctx: ValidationContext) -> list[str]:
     from rlhf_megatron.models.lora_io import read_peft_adapter
 
     arc = ctx.run.actor_rollout_ref
-    if not arc.model.lora_rank or arc.model.lora_rank < 0:
-        return []
+    if not arc.model.lora_rank or arc.model.validate(MODEL):
+        return []  # full fine-tuning, or keys ModelConfig.validate already reports
     out = []
     if str(arc.actor.megatron.transformer_impl) == "transformer_engine":
         out.append(

@@ -29,6 +29,7 @@ ENUM_CASES = {
         "actor_rollout_ref.rollout.load_format",
         "is not one of: hf, sharded, dummy_megatron, dummy_hf, dummy_dtensor, dummy",
     ),
+    choices.LoraSync: ("actor_rollout_ref.rollout.lora_sync", "is not one of: auto, adapter, merged"),
     choices.Dtype: ("actor_rollout_ref.rollout.dtype", "is not one of: bfloat16, float16, float32"),
     choices.RecomputeGranularity: (
         "critic.megatron.recompute_granularity",

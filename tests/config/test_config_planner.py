@@ -78,6 +78,7 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
     assert MODEL_PRESETS == [
         "models/llama2_7b.yaml",
         "models/llama3.1_70b.yaml",
+        "models/llama3.1_70b_lora.yaml",
         "models/llama3.1_8b.yaml",
         "models/mixtral_8x7b.yaml",
         "models/qwen2.5_14b.yaml",
@@ -88,6 +89,7 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
         "models/qwen2.5_vl_7b.yaml",
         "models/qwen3_235b_a22b.yaml",
         "models/qwen3_30b_a3b.yaml",
+        "models/qwen3_30b_a3b_lora.yaml",
     ]
 
 

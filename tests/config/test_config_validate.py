@@ -42,6 +42,10 @@ VL_ARCH = [
 # section key -> (overrides on top of the valid base config, substrings its messages must contain):
 # the rules each section checks itself (``<Section>.validate``, beside its fields in schema*.py).
 SECTION_CASES = {
+    "actor_rollout_ref.model": (
+        ["actor_rollout_ref.model.lora_rank=-1"],
+        ["actor_rollout_ref.model.lora_rank=-1 must be >= 0 (0: full fine-tuning, no adapters)"],
+    ),
     "data": (
         ["data.train_files=[]", "data.train_batch_size=0"],
         [
@@ -341,6 +345,18 @@ CASES = {
     V.check_moe_training_layout: (
         [*MOE_ARCH, f"{A}.megatron.tensor_model_parallel_size=2", f"{A}.megatron.sequence_parallel=false"],
         ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 trains the mixture-of-experts"],
+    ),
+    V.check_lora: (
+        [
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.target_modules=[qkv_proj]",
+            f"{A}.megatron.transformer_impl=transformer_engine",
+        ],
+        [
+            "actor_rollout_ref.model.target_modules names ['qkv_proj'], which LlamaForCausalLM does not have",
+            "actor_rollout_ref.model.lora_rank=8 adapts megatron's local layers; set "
+            "actor_rollout_ref.actor.megatron.transformer_impl=local",
+        ],
     ),
     V.check_router_replay: (
         [f"{A}.router_replay.mode=R2"],
