@@ -52,6 +52,8 @@ EXTRAS = {
         "tensorboard>=2.16",
         # tools/bench_step.py's reference (TRL's GRPOTrainer) and tools/profile_step.py's sampler.
         "trl==1.16.0",
+        # The LoRA tests check adapters against Hugging Face PEFT's own logits and loader.
+        "peft>=0.21,<0.22",
         "py-spy>=0.4",
     ],
 }

@@ -9,6 +9,7 @@
 #   CONFIG=configs/quickstart_vl_cpu.yaml bash scripts/quickstart.sh    # images: a tiny Qwen2.5-VL
 #   CONFIG=configs/quickstart_moe_cpu.yaml bash scripts/quickstart.sh   # a tiny Qwen3-MoE at EP=2
 #   CONFIG=configs/quickstart_tool_cpu.yaml bash scripts/quickstart.sh  # multi-turn: learns to call a tool
+#   CONFIG=configs/quickstart_lora_cpu.yaml bash scripts/quickstart.sh  # LoRA adapters on a frozen base
 #   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +31,14 @@ rm -rf "${run_dir:?}"
 $PY -m rlhf_megatron.train --config "$CONFIG" trainer.resume_mode=disable "$@"
 
 step=$(cat "$run_dir/latest_checkpointed_iteration.txt")
-.venv/bin/rlhf-megatron convert mcore-to-hf --ckpt "$run_dir/global_step_$step/actor" \
-  --out "$run_dir/hf_actor" --force >/dev/null
+actor="$run_dir/global_step_$step/actor"
+if [ -d "$actor/adapter" ]; then  # LoRA: the adapter as PEFT writes it, and the base with it merged
+  .venv/bin/rlhf-megatron convert lora-to-peft --ckpt "$actor" --out "$run_dir/peft_adapter" --force >/dev/null
+  echo "PEFT adapter:       $run_dir/peft_adapter"
+  .venv/bin/rlhf-megatron convert lora-to-hf --ckpt "$actor" --out "$run_dir/hf_actor" --force >/dev/null
+else
+  .venv/bin/rlhf-megatron convert mcore-to-hf --ckpt "$actor" --out "$run_dir/hf_actor" --force >/dev/null
+fi
 echo
 echo "run directory:      $run_dir"
 echo "metrics:            $run_dir/metrics.jsonl"

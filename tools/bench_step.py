@@ -79,14 +79,14 @@ def wall_steps(records: list[dict]) -> list[float]:
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def _project(name: str, steps: int, overrides: list[str], out: Path) -> dict:
+def _project(name: str, steps: int, overrides: list[str], out: Path, config: str = "quickstart_cpu") -> dict:
     run_dir = out / name
     args = [
         sys.executable,
         "-m",
         "rlhf_megatron.train",
         "--config",
-        "quickstart_cpu",
+        config,
         f"trainer.total_training_steps={steps}",
         f"trainer.test_freq={steps}",
         "trainer.val_before_train=true",
@@ -107,6 +107,10 @@ def _project(name: str, steps: int, overrides: list[str], out: Path) -> dict:
         "val_before": vals[0],
         "val_after": vals[-1],
         "wall_s": round(time.perf_counter() - start, 1),
+        "phases": {
+            k: [r[k] for r in records if k in r]
+            for k in {k for r in records for k in r if k.startswith("timing_s/")}
+        },
     }
 
 

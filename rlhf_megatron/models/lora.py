@@ -190,32 +190,26 @@ class LoraAdapter(nn.Module):
         self.enabled = True
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         for part in parts:
             out_local = geometry.out_sizes[self.all_parts.index(part)]
             in_full = geometry.in_features * (1 if geometry.column else tp_size)
             gen = torch.Generator().manual_seed(seed + zlib.crc32(hf_module_name(layer, part).encode()))
-            a_full = torch.empty(rank, in_full)
-            nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=gen)
-            if geometry.column:  # A replicated, B split along the output rows
-                a = a_full
-                b = torch.zeros(out_local, rank)
-            else:  # A split along the input columns, B replicated
-                a = a_full[:, tp_rank * geometry.in_features : (tp_rank + 1) * geometry.in_features]
-                b = torch.zeros(out_local, rank)
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            a = torch.empty(rank, in_full)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            if not geometry.column:  # row-parallel: this rank's input columns of A
+                a = a[:, tp_rank * geometry.in_features : (tp_rank + 1) * geometry.in_features]
             self.lora_A[part] = nn.Parameter(a.contiguous().to(device))
-            self.lora_B[part] = nn.Parameter(b.to(device))
-            split, whole = (
-                (self.lora_B[part], self.lora_A[part])
-                if geometry.column
-                else (
-                    self.lora_A[part],
-                    self.lora_B[part],
-                )
-            )
-            set_tensor_model_parallel_attributes(split, True, 0 if geometry.column else 1, 1)
+            self.lora_B[part] = nn.Parameter(torch.zeros(out_local, rank, device=device))
+            # Column-parallel: B split along the output rows, A whole; row-parallel: A split along
+            # the input columns, B whole.
+            if geometry.column:
+                split, split_dim, whole = self.lora_B[part], 0, self.lora_A[part]
+            else:
+                split, split_dim, whole = self.lora_A[part], 1, self.lora_B[part]
+            set_tensor_model_parallel_attributes(split, True, split_dim, 1)
             set_tensor_model_parallel_attributes(whole, False, -1, 1)
-            # Under SP the replicated factor's gradient is a sum over the sequence shards of the TP
+            # Under SP the whole factor's gradient is a sum over the sequence shards of the TP
             # ranks: finalize_model_grads all-reduces parameters flagged like this over TP.
             whole.sequence_parallel = sequence_parallel
 

@@ -486,6 +486,9 @@ class PPOTrainer:
         """Load ``resume_from`` into the workers and the driver; the batches it had generated ahead."""
         path = self.resume_from
         if path is None:
+            if self.rollout is not None and self.cfg.actor_rollout_ref.model.lora_adapter_path:
+                # The rollout pool starts from the base; the imported adapter must reach it first.
+                self.rollout_client.push_weights(actor_version(self.global_step, self.critic_warmup))
             return []
         state = self.checkpoints.read_state(path)
         self.actor.call("load_checkpoint", str(path))

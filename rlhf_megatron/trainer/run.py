@@ -331,9 +331,17 @@ def _report(run_dir: Path, history: list[dict[str, Any]]) -> None:
         step = latest.read_text().strip()
         ckpt = run_dir / f"global_step_{step}" / "actor"
         lines.append(f"checkpoint:    {ckpt}")
-        lines.append(
-            f"export to HF:  rlhf-megatron convert mcore-to-hf --ckpt {ckpt} --out {run_dir / 'hf_actor'}"
-        )
+        if (ckpt / "adapter").is_dir():  # LoRA: the adapter alone, or merged into its base
+            lines.append(
+                f"export PEFT:   rlhf-megatron convert lora-to-peft --ckpt {ckpt} --out {run_dir / 'peft'}"
+            )
+            lines.append(
+                f"export to HF:  rlhf-megatron convert lora-to-hf --ckpt {ckpt} --out {run_dir / 'hf_actor'}"
+            )
+        else:
+            lines.append(
+                f"export to HF:  rlhf-megatron convert mcore-to-hf --ckpt {ckpt} --out {run_dir / 'hf_actor'}"
+            )
     vals = [r["val/reward_mean"] for r in history if "val/reward_mean" in r]
     if len(vals) >= 2:
         lines.append(f"val/reward_mean: {vals[0]:.3f} -> {vals[-1]:.3f}")

@@ -276,3 +276,126 @@ def test_adapter_training_steps_alike_in_every_layout(tmp_path, tp, pp, sp):
             # Adam divides by sqrt(v): an element whose gradient is ~0 may move by a few 1e-5 on
             # float rounding alone; a wrong shard or a missing all-reduce moves it by ~lr (1e-2).
             torch.testing.assert_close(got["adapters"][key], value, rtol=1e-4, atol=2e-4)
+
+
+# ------------------------------------------------------------------ mixture of experts: EP
+
+
+def _moe_forward(rank, world, hf_dir, adapter_dir, batch):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.models.forward import forward_logits_or_values
+    from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.models.lora import attach_lora, load_full_adapter_tensors
+    from rlhf_megatron.models.lora_io import read_peft_adapter
+    from rlhf_megatron.platform import init_model_parallel
+
+    arch = ModelArch.from_hf_dir(hf_dir)
+    lora, tensors = read_peft_adapter(adapter_dir, arch)
+    rows = []
+    for tp, ep, sp in ((1, 1, False), (1, 2, False), (2, 2, True)):
+        info = init_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+        parallel = ParallelConfig(
+            tp, sequence_parallel=sp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+        )
+        chunks = build_gpt_model(arch, parallel, init_weights=False)
+        load_hf_weights(chunks, hf_dir, arch)
+        attach_lora(chunks, arch, lora, tp_rank=info.tp_rank, tp_size=tp, sequence_parallel=sp)
+        load_full_adapter_tensors(chunks, tensors, info.tp_rank, adapter_dir)
+        out = forward_logits_or_values(chunks, *batch)
+        rows.append(((tp, ep, sp), gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size]))
+    return rows
+
+
+@pytest.mark.slow
+def test_attention_adapters_on_a_moe_model_compute_pefts_logits_at_every_ep(tmp_path):
+    """Qwen2-MoE (a dense layer 1, a shared expert) with adapters on attention and the dense MLP
+    (``all-linear`` leaves the experts out), at EP1, EP2 and TP2 x EP2 with SP, against PEFT
+    adapting the same modules."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from . import tiny_moe
+
+    hf_dir = tiny_moe.make_model_dir(tmp_path, "qwen2_moe")
+    model = tiny_moe.load_hf(hf_dir)
+    targets = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    targets += [f"layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]  # the dense layer
+    torch.manual_seed(7)
+    peft = get_peft_model(
+        model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    )
+    peft.save_pretrained(tmp_path / "adapter")
+    batch = tiny_moe.padded_batch(model.config.vocab_size)
+    with torch.no_grad():
+        ref = peft(input_ids=batch[0], attention_mask=batch[1], position_ids=batch[2]).logits
+    valid = batch[1].bool()
+    seen = set()
+    for rows in run_on_ranks(_moe_forward, 4, str(hf_dir), str(tmp_path / "adapter"), batch, timeout_s=600):
+        for layout, logits in rows:
+            seen.add(layout)
+            err = (logits - ref).abs()[valid].max() / ref[valid].abs().max()
+            assert err <= REL_TOL, (layout, err.item())
+    assert seen == {(1, 1, False), (1, 2, False), (2, 2, True)}
+
+
+# ------------------------------------------------------------------ bf16 base, fp32 adapters
+
+
+def _train_bf16(rank, world, hf_dir):
+    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
+    from rlhf_megatron.data.batch import Batch
+    from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.models.loader import unwrap_model
+    from rlhf_megatron.platform import init_model_parallel
+    from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
+
+    init_model_parallel(1, 1, seed=1)
+    arch = ModelArch.from_hf_dir(hf_dir)
+    engine = MegatronEngine(
+        arch,
+        ParallelConfig(),
+        hf_dir,
+        MegatronConfig(params_dtype="bfloat16"),
+        OptimConfig(lr=1e-2),
+        lora=_lora(),
+    )
+    named = {n: p for c in engine.chunks for n, p in unwrap_model(c).named_parameters()}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    ids = torch.randint(3, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = Batch.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "position_ids": torch.arange(12).expand(4, -1),
+        }
+    )
+    keys = ("input_ids", "attention_mask", "position_ids")
+    norms = [
+        engine.train_step(
+            split_micro_batches(batch, keys, 2), lambda o, m: (o.float().pow(2).mean() * m["_weight"], {})
+        )["grad_norm"]
+        for _ in range(2)
+    ]
+    return {
+        "dtypes": {n: str(p.dtype) for n, p in named.items()},
+        "moved": sorted(n for n, p in named.items() if not torch.equal(p, before[n])),
+        "norms": norms,
+    }
+
+
+@pytest.mark.slow
+def test_a_bf16_base_stays_frozen_while_fp32_adapters_train(tmp_path):
+    hf_dir = str(tiny_hf.save_hf_model(tiny_hf.make_hf_model("qwen2"), tmp_path / "base"))
+    ((got,),) = [run_on_ranks(_train_bf16, 1, hf_dir, timeout_s=300)]
+    adapters = {n for n in got["dtypes"] if ".lora." in n}
+    assert adapters and all(got["dtypes"][n] == "torch.float32" for n in adapters)
+    assert all(
+        got["dtypes"][n] == "torch.bfloat16" for n in got["dtypes"] if "layers" in n and n not in adapters
+    )
+    assert all(0 < n < float("inf") for n in got["norms"])
+    # lora_B starts at zero and moves; every base weight is where it was loaded
+    assert set(got["moved"]) <= adapters and any("lora_B" in n for n in got["moved"])

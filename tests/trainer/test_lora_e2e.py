@@ -92,8 +92,17 @@ def test_a_preempted_lora_run_resumes_bit_identically(lora_run, tiny_run_inputs,
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize(
+    "placement",
+    [
+        {"actor_rollout_ref.rollout.lora_sync": "merged"},
+        # the rollout on its own pool: merged weights streamed over the wire before validating
+        {"actor_rollout_ref.hybrid_engine": False, "actor_rollout_ref.rollout.tensor_model_parallel_size": 1},
+    ],
+    ids=["colocated_merged", "own_pool"],
+)
 def test_an_imported_adapter_with_merged_sync_validates_as_the_run_that_trained_it(
-    lora_run, tiny_run_inputs, tmp_path
+    lora_run, tiny_run_inputs, tmp_path, placement
 ):
     run_dir, records = lora_run
     overrides = train_overrides(
@@ -102,7 +111,7 @@ def test_an_imported_adapter_with_merged_sync_validates_as_the_run_that_trained_
         **{
             "actor_rollout_ref.model.lora_rank": 8,
             "actor_rollout_ref.model.lora_adapter_path": str(run_dir / "global_step_3/actor/adapter"),
-            "actor_rollout_ref.rollout.lora_sync": "merged",
+            **placement,
             "trainer.val_only": True,
             "trainer.val_before_train": True,
         },
