@@ -55,6 +55,9 @@ EXTRAS = {
         # The LoRA tests check adapters against Hugging Face PEFT's own logits and loader.
         "peft>=0.21,<0.22",
         "py-spy>=0.4",
+        # The documentation site (mkdocs.yml); tests/test_docs.py builds it with --strict.
+        "mkdocs==1.6.1",
+        "mkdocs-material==9.8.1",
     ],
 }
 

@@ -5,7 +5,7 @@ metrics.jsonl, and after every step samples the resident memory of the driver an
 under it (Ray's raylet and workers, where the Megatron models and vLLM live). After a warm-up it
 fits a line through RSS and through `timing_s/sync_weights` per step and prints one JSON object.
 The warm-up matters: the workers' RSS climbs fastest over the first steps on the CPU quickstart
-(native caches filling as sequence lengths vary; see the README's Soak section) and levels off.
+(native caches filling as sequence lengths vary; see the Soak section of docs/reliability.md) and levels off.
 The last step is left out too: it includes the final checkpoint save.
 
     {"steps": ..., "rss_mb_per_step": ..., "total_rss_mb": [first, last],

@@ -344,8 +344,8 @@ class MegatronConfig:
     """The local layers' core attention: local (megatron-core's unfused ``DotProductAttention``),
     sdpa (torch's fused ``scaled_dot_product_attention``: no score matrix kept for backward; on
     CPU, at ~1,100-token rows, log-prob passes ~3x and updates ~1.4x faster, no gain at a few
-    dozen tokens; see the README's *Step time*; on one H200 the 1.24B model's update at 2K tokens
-    ~1.9x faster, *Measured on one H100*) or auto (sdpa on CUDA, local on CPU).
+    dozen tokens; see docs/benchmarks/step-time.md; on one H200 the 1.24B model's update at 2K
+    tokens ~1.9x faster, docs/benchmarks/gpu.md) or auto (sdpa on CUDA, local on CPU).
     Transformer-engine layers use TE's attention, so sdpa needs transformer_impl=local (or auto
     without TE); auto leaves them alone."""
 
