@@ -44,6 +44,10 @@ class Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("rlhf_megatron.train:main", "load and validate a config, save it, and train"),
+    "sft": Subcommand(
+        "rlhf_megatron.sft:main", "supervised fine-tuning on the Megatron engine (verl's SFT keys)"
+    ),
+    "rm": Subcommand("rlhf_megatron.rm:main", "reward-model training on preference pairs (Bradley-Terry)"),
     "plan": Subcommand(
         "rlhf_megatron.cli:plan_main", "estimate per-GPU memory of a config; exit 1 if it does not fit"
     ),

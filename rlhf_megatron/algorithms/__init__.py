@@ -18,6 +18,7 @@ Modules:
     losses           ``agg_loss``, value loss, entropy
     policy_losses    policy-loss registry: vanilla PPO, GSPO, KL-Cov
     rollout_correction truncated importance weights rollout -> actor (TIS); the driver's batch call
+    reward_loss      the reward model's pairwise (Bradley-Terry) loss
 """
 
 # Importing the estimator and loss modules registers them; keep these imports.
@@ -62,6 +63,7 @@ from rlhf_megatron.algorithms.policy_losses import (
     get_policy_loss_fn,
     register_policy_loss,
 )
+from rlhf_megatron.algorithms.reward_loss import bradley_terry_loss
 from rlhf_megatron.algorithms.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     apply_rollout_correction,
@@ -80,6 +82,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "apply_rollout_correction",
+    "bradley_terry_loss",
     "compute_advantage",
     "compute_entropy_loss",
     "compute_gae_advantage_return",

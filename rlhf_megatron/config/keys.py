@@ -230,9 +230,32 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
 )
 
 
-def find_ignored(key: str) -> IgnoredKey | None:
-    """The first ``IGNORED_KEYS`` entry matching ``key``, or None."""
-    return next((entry for entry in IGNORED_KEYS if entry.matches(key)), None)
+# verl's SFT trainer keys (sft_trainer.yaml) that mean nothing on the Megatron engine.
+STAGE_IGNORED_KEYS: tuple[IgnoredKey, ...] = (
+    IgnoredKey("model.strategy", "every stage trains with Megatron here"),
+    IgnoredKey(
+        "model.fsdp_config", f"{_FSDP}; Megatron's offload is megatron.param_offload / optimizer_offload"
+    ),
+    IgnoredKey("model.use_liger", f"{_FSDP}; the Megatron engine has its own fused loss", (False,)),
+    IgnoredKey("model.external_lib", "custom model classes are not supported here", (None,)),
+    IgnoredKey("model.lora_rank", "LoRA in the SFT stage is not supported yet", (0,)),
+    IgnoredKey("model.lora_alpha", "LoRA in the SFT stage is not supported yet"),
+    IgnoredKey("model.target_modules", "LoRA in the SFT stage is not supported yet"),
+    IgnoredKey("ulysses_sequence_parallel_size", f"{_FSDP}; Megatron's is megatron.context_parallel_size"),
+    IgnoredKey("use_remove_padding", "rows are packed with data.packing"),
+    IgnoredKey("data.micro_batch_size", "use data.micro_batch_size_per_gpu", (None,)),
+    IgnoredKey("data.balance_dp_token", "rows are packed with data.packing"),
+    IgnoredKey("data.chat_template", "the tokenizer's own chat template is used", (None,)),
+    IgnoredKey("data.custom_cls", "custom dataset classes are not supported", (None,)),
+    IgnoredKey("data.use_shm", "files are read from their paths", (False,)),
+    IgnoredKey("trainer.default_hdfs_dir", "checkpoints stay in trainer.default_local_dir", (None,)),
+    IgnoredKey("trainer.checkpoint", "a stage checkpoint holds the model and its optimizer state"),
+)
+
+
+def find_ignored(key: str, table: tuple[IgnoredKey, ...] = IGNORED_KEYS) -> IgnoredKey | None:
+    """The first entry of ``table`` (RL's ``IGNORED_KEYS`` by default) matching ``key``, or None."""
+    return next((entry for entry in table if entry.matches(key)), None)
 
 
 # Other spellings of a schema key -> the key. Setting both spellings to different values

@@ -31,7 +31,14 @@ from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from rlhf_megatron.config.easyr1 import is_easyr1, translate_easyr1
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.keys import RENAMED_KEYS, KeyInfo, find_ignored, schema_keys
+from rlhf_megatron.config.keys import (
+    IGNORED_KEYS,
+    RENAMED_KEYS,
+    STAGE_IGNORED_KEYS,
+    KeyInfo,
+    find_ignored,
+    schema_keys,
+)
 from rlhf_megatron.config.presets import read_preset_layers
 from rlhf_megatron.config.schema import RunConfig
 
@@ -40,6 +47,7 @@ __all__ = [
     "IgnoredKeysWarning",
     "RESOLVED_CONFIG_NAME",
     "load_config",
+    "load_stage_config",
     "parse_overrides",
     "save_resolved_config",
 ]
@@ -88,7 +96,9 @@ class _Layers:
     """Flat view of all layers: later layers replace earlier values, and setting a key
     replaces everything below it (``model_arch: null`` drops a base's ``model_arch.*``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, schema: type = RunConfig) -> None:
+        self.schema = schema
+        """The root dataclass the keys belong to (``RunConfig``, or a stage's)."""
         self.values: dict[str, Any] = {}
         self.origin: dict[str, str] = {}
         self.ignored: dict[str, str] = {}  # key -> reason
@@ -123,8 +133,9 @@ class _Layers:
     def _set(self, key: str, value: Any, source: str) -> None:
         if key == ROUTER_REPLAY_KEY and isinstance(value, bool):  # the issue's / older verl's switch
             key, value = f"{key}.mode", "auto" if value else "disabled"
-        info = schema_keys()
-        ignored = find_ignored(key) if key not in info else None
+        info = schema_keys(self.schema)
+        table = IGNORED_KEYS if self.schema is RunConfig else STAGE_IGNORED_KEYS
+        ignored = find_ignored(key, table) if key not in info else None
         if ignored is not None:
             if ignored.inert is not None and value not in ignored.inert:
                 allowed = " or ".join(repr(v) for v in ignored.inert)
@@ -135,7 +146,7 @@ class _Layers:
             else:
                 self.ignored[key] = ignored.reason
             return
-        problem = _unknown_key_problem(key)
+        problem = _unknown_key_problem(key, self.schema)
         if problem:
             self.errors.append(f"{problem} (set in {source})")
             return
@@ -150,9 +161,9 @@ class _Layers:
         self.origin[key] = source
 
 
-def _unknown_key_problem(key: str) -> str | None:
+def _unknown_key_problem(key: str, schema: type = RunConfig) -> str | None:
     """None when ``key`` may be set; otherwise a message naming the nearest valid key."""
-    info = schema_keys()
+    info = schema_keys(schema)
     if key in info:
         return None
     parts = key.split(".")
@@ -177,7 +188,7 @@ def _unknown_key_problem(key: str) -> str | None:
 
 def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
     """Write every flat value into the structured config; one message per rejected value."""
-    info = schema_keys()
+    info = schema_keys(layers.schema)
     errors = []
     for key, value in layers.values.items():
         source = layers.origin[key]
@@ -319,6 +330,37 @@ def load_config(
 
         validate_config(cfg, world_size=world_size)
         normalize_config(cfg, world_size=world_size)
+    return cfg
+
+
+def load_stage_config(
+    schema: type, config_file: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> DictConfig:
+    """A stage's config (``schema_stages.SFTConfig`` / ``RMConfig``): defaults <- ``config_file``
+    (and its ``base`` chain) <- ``overrides``, key by key as ``load_config`` checks them, then
+    each section's own ``validate``. Raises ``ConfigError`` listing every problem."""
+    import dataclasses
+
+    layers = _Layers(schema)
+    if config_file is not None:
+        for source, mapping in read_preset_layers(config_file):
+            layers.add(source, mapping)
+    layers.add(COMMAND_LINE, parse_overrides(overrides))
+    if layers.errors:
+        raise ConfigError(layers.errors)
+    cfg = OmegaConf.structured(schema)
+    errors = _apply(cfg, layers)
+    errors += _resolve(cfg) if not errors else []
+    if errors:
+        raise ConfigError(errors)
+    _warn_ignored(layers.ignored)
+    typed = OmegaConf.to_object(cfg)
+    for f in dataclasses.fields(typed):
+        section = getattr(typed, f.name)
+        if hasattr(section, "validate"):
+            errors += section.validate(f.name)
+    if errors:
+        raise ConfigError(errors)
     return cfg
 
 

@@ -21,6 +21,11 @@ CONSOLE_KEYS = (
     ("actor/ppo_kl", "kl"),
     ("response_length/mean", "len"),
     ("timing_s/step", "s/step"),
+    # the stages before RL (SFT, reward-model training)
+    ("train/loss", "loss"),
+    ("val/loss", "val_loss"),
+    ("train/accuracy", "acc"),
+    ("val/accuracy", "val_acc"),
 )
 
 

@@ -181,9 +181,40 @@ def build_figure(records: list[dict]):
     return fig
 
 
+def build_stage_figure(records: list[dict]):
+    """The figure of a stage before RL (SFT, reward-model training): losses, the reward model's
+    pairwise accuracy and margin, learning rate and gradient norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rm = any("train/accuracy" in r for r in records)
+    panels = [
+        ("loss", ["train/loss", "val/loss"]),
+        ("learning rate", ["train/lr"]),
+        ("gradient norm", ["train/grad_norm"]),
+    ]
+    if rm:
+        panels.insert(1, ("pairwise accuracy and margin", ["train/accuracy", "val/accuracy", "val/margin"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            xs, ys = _series(records, key)
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        _legend(ax, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def plot(records: list[dict], out: Path) -> Path:
-    """Draw ``build_figure(records)`` to ``out`` (PNG), replacing it atomically."""
-    fig = build_figure(records)  # selects the Agg backend before pyplot is imported here
+    """Draw ``build_figure(records)`` (a stage's run: ``build_stage_figure``) to ``out`` (PNG),
+    replacing it atomically."""
+    stage = any("train/loss" in r for r in records) and not any("critic/score/mean" in r for r in records)
+    fig = (build_stage_figure if stage else build_figure)(records)  # selects the Agg backend first
     import matplotlib.pyplot as plt
 
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.png")

@@ -47,8 +47,16 @@ INLINE_OBJECT_BYTES = 1 << 20
 
 
 def _init_ray(run: RunConfig) -> bool:
-    """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray. Returns whether this run
-    connected to Ray (False when the calling process already had)."""
+    """``init_ray`` for a run's processes: the trainer's pool, plus the rollout's own."""
+    world = run.trainer.nnodes * run.trainer.n_gpus_per_node
+    if not run.actor_rollout_ref.hybrid_engine:
+        world += run.actor_rollout_ref.rollout.nnodes * run.actor_rollout_ref.rollout.n_gpus_per_node
+    return init_ray(world)
+
+
+def init_ray(world: int) -> bool:
+    """Join ``RAY_ADDRESS`` when set (launchers), else start a local Ray for ``world`` processes.
+    Returns whether this call connected to Ray (False when the calling process already had)."""
     import ray
 
     if ray.is_initialized():
@@ -60,9 +68,6 @@ def _init_ray(run: RunConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env}, log_to_driver=True)
         return True
-    world = run.trainer.nnodes * run.trainer.n_gpus_per_node
-    if not run.actor_rollout_ref.hybrid_engine:
-        world += run.actor_rollout_ref.rollout.nnodes * run.actor_rollout_ref.rollout.n_gpus_per_node
     ray.init(
         num_cpus=max(world, os.cpu_count() or 1),
         include_dashboard=False,

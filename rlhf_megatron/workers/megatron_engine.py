@@ -54,6 +54,9 @@ class NonFiniteGradientError(FloatingPointError):
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+PER_COLUMN_KEYS = ("segment_ids", "loss_mask")
+"""Per-column inputs beside the model's that ``trim_padding`` cuts with them (packed rows' segments,
+an SFT row's loss mask)."""
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,8 +141,9 @@ def trim_padding(micro: dict[str, torch.Tensor], multiple: int = 1) -> dict[str,
             right, left = min(width, right - left), 0
             if "_response_width" in out:
                 out["_response_width"] = right - (width - micro["responses"].shape[1])
-    for key in MODEL_KEYS:
-        out[key] = micro[key][..., left:right]  # position_ids may be [b, 3, S] (M-RoPE)
+    for key in (*MODEL_KEYS, *PER_COLUMN_KEYS):
+        if key in micro:  # position_ids may be [b, 3, S] (M-RoPE)
+            out[key] = micro[key][..., left:right]
     out["_columns"] = torch.tensor([left, right, width])
     return out
 

@@ -1,0 +1,205 @@
+"""The driver loop of a stage before RL (SFT or reward-model training), on Ray worker groups.
+
+Reads like the RL driver, shorter: load and tokenize the rows, place one ``StageWorker`` per
+process (``trainer.nnodes`` x ``n_gpus_per_node``), then per optimizer step hand the workers
+``train_batch_size`` samples (each data-parallel rank its share), log what comes back, validate
+every ``test_freq`` steps and save every ``save_freq`` (always after the last). Checkpoints,
+loggers, the progress bar and the run directory are the RL trainer's: ``<step>/actor`` (SFT) or
+``<step>/reward_model`` (RM) is a role checkpoint that exports with ``convert mcore-to-hf`` and
+loads as an RL run's starting model; ``metrics.jsonl`` and ``metrics.png`` land in
+``trainer.default_local_dir``. A run resumes from its newest checkpoint (``resume_mode=auto``).
+
+Metrics use verl's SFT names: ``train/loss``, ``train/lr``, ``val/loss``; the reward model adds
+``train/accuracy``, ``train/margin``, ``val/accuracy``, ``val/margin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_megatron.config.context import RunContext, Seeds
+from rlhf_megatron.stages.data import epoch_order, pair_batch, pair_samples, sft_batch, sft_samples
+from rlhf_megatron.stages.worker import StageWorker
+
+__all__ = ["run_stage"]
+
+logger = logging.getLogger(__name__)
+
+
+def _combine(kind: str, parts: list[dict[str, float] | None], prefix: str) -> dict[str, float]:
+    """Per-rank sums -> the step's means (SFT: per loss token; RM: per pair)."""
+    parts = [p for p in parts if p]
+    total = {k: sum(p[k] for p in parts) for k in parts[0]}
+    out = {}
+    if kind == "sft":
+        out[f"{prefix}/loss"] = total["nll_sum"] / max(total["tokens"], 1.0)
+        out[f"{prefix}/tokens"] = total["tokens"]
+    else:
+        pairs = max(total["pairs"], 1.0)
+        out[f"{prefix}/loss"] = total["loss_sum"] / pairs
+        out[f"{prefix}/accuracy"] = total["correct"] / pairs
+        out[f"{prefix}/margin"] = total["margin_sum"] / pairs
+    if "grad_norm" in parts[0]:
+        out[f"{prefix}/grad_norm"] = parts[0]["grad_norm"]
+        out[f"{prefix}/lr"] = parts[0]["lr"]
+    return out
+
+
+class _Stage:
+    """What differs between SFT and reward-model training on the driver: samples and batches."""
+
+    def __init__(self, kind: str, cfg, tokenizer, dp: int, width_multiple: int):
+        self.kind, self.cfg, self.dp, self.width_multiple = kind, cfg, dp, width_multiple
+        data = cfg.data
+        read = sft_samples if kind == "sft" else pair_samples
+        self.train = read(data, tokenizer, data.train_files, "data.train_files")
+        self.val = read(data, tokenizer, data.val_files, "data.val_files") if data.val_files else []
+
+    def batch(self, samples):
+        import torch
+
+        if self.kind == "sft":
+            batch = sft_batch(samples, self.cfg.data, self.dp, self.width_multiple)
+            # tokens the loss trains (a packed segment's first token is not predicted across the boundary)
+            count = float(sum(sum(s.loss_mask[1:]) for s in samples))
+            batch["loss_tokens"] = torch.full((len(batch),), count)
+        else:
+            batch = pair_batch(samples, self.dp, self.width_multiple)
+            batch["loss_pairs"] = torch.full((len(batch),), float(len(samples)))
+        return batch
+
+
+def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
+    """Train stage ``kind`` (``sft`` or ``rm``) per ``cfg``; returns the metric records."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlhf_megatron.config.loader import save_resolved_config
+    from rlhf_megatron.platform import is_cuda
+    from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
+    from rlhf_megatron.trainer.checkpoint import CheckpointManager
+    from rlhf_megatron.trainer.loggers import Tracker
+    from rlhf_megatron.trainer.run import init_ray
+
+    typed = OmegaConf.to_object(cfg)
+    trainer, data = typed.trainer, typed.data
+    model = typed.model
+    tokenizer = AutoTokenizer.from_pretrained(
+        os.path.expanduser(model.tokenizer_path or model.partial_pretrain),
+        trust_remote_code=model.trust_remote_code,
+    )
+    world = trainer.nnodes * trainer.n_gpus_per_node
+    m = typed.megatron
+    dp = world // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
+    width = m.tensor_model_parallel_size if m.sequence_parallel else 1
+    stage = _Stage(kind, typed, tokenizer, dp, width)
+    steps_per_epoch = max(1, len(stage.train) // data.train_batch_size)
+    total = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
+    run_dir = Path(trainer.default_local_dir)
+    save_resolved_config(cfg, run_dir)
+    checkpoints = CheckpointManager(run_dir, trainer.max_ckpt_to_keep)
+    resume_from = checkpoints.resolve(trainer.resume_mode, None)
+    owns_ray = init_ray(world)
+    context = RunContext(seeds=Seeds(trainer.seed), nan_policy="stop", rollout_n=1, total_steps=total)
+    tracker = Tracker(
+        trainer.logger,
+        run_dir,
+        total,
+        trainer.project_name,
+        trainer.experiment_name,
+        OmegaConf.to_container(cfg, resolve=True),
+    )
+    pool = ResourcePool(
+        f"{kind}_pool",
+        [trainer.n_gpus_per_node] * trainer.nnodes,
+        use_gpu=is_cuda() and trainer.device != "cpu",
+    )
+    pool.create()
+    group = None
+    history: list[dict[str, Any]] = []
+    try:
+        group = WorkerGroup(kind, pool, StageWorker, {"section": typed, "context": context, "kind": kind})
+        group.call("init_model")
+        step = 0
+        if resume_from is not None:
+            group.call("load_checkpoint", str(resume_from))
+            step = checkpoints.read_state(resume_from)["global_step"]
+        history = _loop(stage, group, checkpoints, tracker, step, total)
+        _report(run_dir, kind, history)
+        return history
+    finally:
+        tracker.close()
+        if group is not None:
+            group.shutdown()
+        pool.remove()
+        if owns_ray:
+            ray.shutdown()
+
+
+def _loop(stage: _Stage, group, checkpoints, tracker, step: int, total: int) -> list[dict[str, Any]]:
+    cfg = stage.cfg
+    data, trainer = cfg.data, cfg.trainer
+    per_epoch = max(1, len(stage.train) // data.train_batch_size)
+    history = []
+    while step < total:
+        epoch, index = divmod(step, per_epoch)
+        order = epoch_order(len(stage.train), epoch, trainer.seed, data.shuffle)
+        chosen = order[index * data.train_batch_size : (index + 1) * data.train_batch_size]
+        record = _combine(
+            stage.kind, group.call("train_batch", stage.batch([stage.train[i] for i in chosen])), "train"
+        )
+        step += 1
+        record["train/epoch"] = epoch
+        last = step == total
+        if stage.val and (last or (trainer.test_freq > 0 and step % trainer.test_freq == 0)):
+            record.update(_validate(stage, group))
+        tracker.log(record, step)
+        history.append({"step": step, **record})
+        if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
+            _save(group, checkpoints, step)
+    return history
+
+
+def _validate(stage: _Stage, group) -> dict[str, float]:
+    size = max(stage.cfg.data.train_batch_size, 1)
+    parts = []
+    for start in range(0, len(stage.val), size):
+        parts += group.call("eval_batch", stage.batch(stage.val[start : start + size]))
+    return _combine(stage.kind, parts, "val")
+
+
+def _save(group, checkpoints, step: int) -> None:
+    tmp = checkpoints.begin(step)
+    try:
+        group.call("save_checkpoint", str(tmp))
+        checkpoints.commit(step, tmp, {"global_step": step})
+    except BaseException:
+        checkpoints.abort(tmp)
+        raise
+
+
+def _report(run_dir: Path, kind: str, history: list[dict[str, Any]]) -> None:
+    """Where the metrics, the plot and the last checkpoint are, and how to use it next."""
+    from rlhf_megatron.stages.worker import ENGINE_NAMES
+
+    lines = [f"metrics:       {run_dir / 'metrics.jsonl'}"]
+    try:
+        from rlhf_megatron.trainer.plot import load_records, plot
+
+        lines.append(f"plot:          {plot(load_records(run_dir), run_dir / 'metrics.png')}")
+    except ImportError as e:  # matplotlib is a dev extra
+        lines.append(f"plot:          skipped ({e})")
+    if history:
+        ckpt = run_dir / f"global_step_{history[-1]['step']}" / ENGINE_NAMES[kind]
+        lines.append(f"checkpoint:    {ckpt}")
+        lines.append(f"export to HF:  rlhf-megatron convert mcore-to-hf --ckpt {ckpt} --out {run_dir / 'hf'}")
+        last = history[-1]
+        shown = {k: round(v, 4) for k, v in last.items() if k.startswith("val/")}
+        if shown:
+            lines.append(f"validation:    {shown}")
+    print("\n".join(lines))

@@ -1,0 +1,182 @@
+"""The stages before RL through the real CLI: SFT and reward-model training on the Megatron engine
+(2 gloo processes under Ray), their checkpoints resuming, exporting, and feeding an RL run.
+
+All on the shared tiny random Llama and the arithmetic task: SFT transcripts from
+``tools/data/arith_sft.py`` (chat ``messages``), preference pairs from ``tools/data/arith_prefs.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from shared_artifacts import shared_artifact
+from trainer_helpers import ROOT, run_train, shared_ray_env, train_overrides
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def _stage(
+    kind: str, overrides: list[str], timeout: int = 600
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    env = {**os.environ, "WANDB_MODE": "offline", **shared_ray_env()}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"rlhf_megatron.{kind}", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_local_dir="))
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc, records
+
+
+@pytest.fixture(scope="session")
+def stage_data(tmp_path_factory):
+    def build(root: Path) -> dict[str, str]:
+        for tool, name in (("arith_sft.py", "sft"), ("arith_prefs.py", "prefs")):
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "tools/data" / tool),
+                    "--output-dir",
+                    str(root / name),
+                    "--train-size",
+                    "128",
+                    "--test-size",
+                    "16",
+                    "--seed",
+                    "0",
+                ],
+                check=True,
+                capture_output=True,
+            )
+        return {"sft": str(root / "sft"), "prefs": str(root / "prefs")}
+
+    return shared_artifact(tmp_path_factory, "stage_data", build)[1]
+
+
+def _common(model: str, run_dir: Path, steps: int) -> list[str]:
+    return [
+        f"model.partial_pretrain={model}",
+        "megatron.params_dtype=float32",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+        "trainer.logger=['jsonl']",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
+        "optim.lr=1e-3",
+        "data.max_length=32",
+    ]
+
+
+def _sft(inputs, data, run_dir: Path, steps: int) -> list[str]:
+    return [
+        *_common(inputs["model"], run_dir, steps),
+        f"data.train_files={data['sft']}/train.parquet",
+        f"data.val_files={data['sft']}/test.parquet",
+        "data.multiturn.enable=true",
+        "data.train_batch_size=16",
+        "data.micro_batch_size_per_gpu=2",
+        "trainer.save_freq=1",
+    ]
+
+
+@pytest.fixture(scope="session")
+def sft_run(tiny_run_inputs, stage_data, tmp_path_factory):
+    def build(root: Path) -> list[dict]:
+        proc, records = _stage("sft", _sft(tiny_run_inputs, stage_data, root / "run", 3))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return records
+
+    root, records = shared_artifact(tmp_path_factory, "sft_run", build)
+    return root / "run", records
+
+
+def test_sft_trains_the_assistant_turns_and_logs_verls_names(sft_run):
+    run_dir, records = sft_run
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert math.isfinite(r["train/loss"]) and r["train/lr"] > 0 and r["train/grad_norm"] > 0
+        assert r["train/tokens"] > 0
+    assert records[-1]["train/loss"] < records[0]["train/loss"], "the loss falls"
+    assert "val/loss" in records[-1] and math.isfinite(records[-1]["val/loss"])
+    ckpt = run_dir / "global_step_3" / "actor" / "model"
+    assert (ckpt / "rlhf_megatron_ckpt.json").is_file(), "an actor checkpoint, as RL's"
+    assert (run_dir / "metrics.png").is_file() and (run_dir / "resolved_config.yaml").is_file()
+
+
+def test_sft_resumes_from_its_last_checkpoint_exactly(sft_run, tiny_run_inputs, stage_data, tmp_path):
+    run_dir = tmp_path / "b"
+    proc, first = _stage("sft", _sft(tiny_run_inputs, stage_data, run_dir, 2))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc, resumed = _stage("sft", _sft(tiny_run_inputs, stage_data, run_dir, 3))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in resumed] == [1, 2, 3], "the resumed run appends step 3"
+    assert resumed[-1] == sft_run[1][-1]
+
+
+def test_reward_model_then_rl_from_both_checkpoints(sft_run, tiny_run_inputs, stage_data, tmp_path):
+    """RM training from the SFT checkpoint (exported to HF), its accuracy and margin on the
+    validation pairs, then one GRPO step whose actor is the SFT model and whose reward model is the
+    trained one (``reward_model.enable=true``)."""
+    sft_dir, _ = sft_run
+    sft_hf = tmp_path / "sft_hf"
+    convert = [sys.executable, "-m", "rlhf_megatron.cli", "convert", "mcore-to-hf"]
+    out = subprocess.run(
+        [*convert, "--ckpt", str(sft_dir / "global_step_3/actor"), "--out", str(sft_hf)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rm_dir = tmp_path / "rm"
+    proc, records = _stage(
+        "rm",
+        [
+            *_common(str(sft_hf), rm_dir, 3),
+            f"data.train_files={stage_data['prefs']}/train.parquet",
+            f"data.val_files={stage_data['prefs']}/test.parquet",
+            "data.train_batch_size=8",
+            "data.micro_batch_size_per_gpu=2",
+        ],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    last = records[-1]
+    assert 0.0 <= last["val/accuracy"] <= 1.0 and math.isfinite(last["val/margin"])
+    assert all(0.0 <= r["train/accuracy"] <= 1.0 and math.isfinite(r["train/loss"]) for r in records)
+    rm_hf = tmp_path / "rm_hf"
+    out = subprocess.run(
+        [*convert, "--ckpt", str(rm_dir / "global_step_3/reward_model"), "--out", str(rm_hf)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((rm_hf / "config.json").read_text())["architectures"] == [
+        "LlamaForSequenceClassification"
+    ]
+    rl_dir = tmp_path / "rl"
+    overrides = train_overrides(
+        {**tiny_run_inputs, "model": str(sft_hf)},
+        rl_dir,
+        **{
+            "trainer.total_training_steps": 1,
+            "trainer.save_freq": -1,
+            "reward_model.enable": True,
+            "reward_model.model.path": str(rm_hf),
+            "reward_model.micro_batch_size_per_gpu": 8,
+        },
+    )
+    proc, rl = run_train("quickstart_cpu", overrides)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in rl] == [1] and math.isfinite(rl[0]["reward/rm_score_mean"])
