@@ -1,5 +1,5 @@
-"""The documentation cannot rot: the site builds strictly, the config reference matches the schema,
-every runnable shell block is either run by a test or marked cluster-only, and the README stays a
+"""The documentation cannot rot: the site builds strictly, the config reference pages match the
+schemas, every runnable shell block is either run by a test or marked cluster-only, and the README stays a
 front page that reaches every guide in one click.
 
 The conventions these tests hold the pages to are written down in docs/contributing.md.
@@ -21,7 +21,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-REFERENCE = DOCS / "reference" / "config.md"
+REFERENCE_DIR = DOCS / "reference"
+REFERENCE = REFERENCE_DIR / "config.md"
 CLUSTER_ONLY = "# cluster only:"
 SHELL_FENCE = re.compile(r"^```(?:bash|sh|shell)\s*$")
 
@@ -196,8 +197,24 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         (("tests/tools/test_gpu_measure.py", '"--tiny", "--skip-tests", "--steps", "1"'),),
         "the output goes to a temporary directory",
     ),
+    # The stages before RL (docs/guides/stages.md): scripts/pipeline_cpu.sh runs the three configs
+    # of configs/pipeline_cpu/ one after another (with the data tools and the exports between
+    # them); tests/stages/test_stages_e2e.py builds the data with the same two tools, runs the SFT
+    # and reward-model CLIs with those configs, exports both checkpoints and runs one step of the
+    # pipeline's RL config with them.
+    Exercised(
+        "bash scripts/pipeline_cpu.sh",
+        (
+            ("tests/stages/test_stages_e2e.py", '("arith_sft.py", "sft"), ("arith_prefs.py", "prefs")'),
+            ("tests/stages/test_stages_e2e.py", '"--config", f"pipeline_cpu/{kind}"'),
+            ("tests/stages/test_stages_e2e.py", 'run_train("pipeline_cpu/ppo"'),
+            ("tests/stages/test_stages_e2e.py", '"global_step_3/reward_model"'),
+        ),
+        "a random tiny Llama, 128 rows and 3 steps a stage at lr 1e-3, one PPO step, temporary "
+        "directories; the script's own shell lines are not run by a test",
+    ),
     # The docs' own commands: this file runs both (the build into a temporary directory, the
-    # generator into a temporary file compared with the committed page).
+    # generator into a temporary directory compared with the committed pages).
     Exercised(
         ".venv/bin/mkdocs build --strict --site-dir /tmp/rlhf-megatron-site",
         (("tests/test_docs.py", '"build", "--strict"'),),
@@ -206,7 +223,7 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
     Exercised(
         ".venv/bin/python tools/gen_config_reference.py",
         (("tests/test_docs.py", 'generator.main(["--out"'),),
-        "written to a temporary file and compared with the committed page",
+        "written to a temporary directory and compared with the committed pages",
     ),
 )
 
@@ -279,32 +296,53 @@ def _mkdocs_config() -> dict:
 
 # --------------------------------------------------------------------------------------- tests
 def test_config_reference_is_up_to_date(tmp_path):
+    """Every generated page (the RL config, the SFT and reward-model stages) equals what the
+    generator writes now."""
     generator = _load_generator()
-    out = tmp_path / "config.md"
-    assert generator.main(["--out", str(out)]) == 0
-    assert REFERENCE.read_text() == out.read_text(), (
-        f"{REFERENCE.relative_to(ROOT)} is out of date with the schema: "
+    assert generator.main(["--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == set(generator.PAGES)
+    stale = [
+        name
+        for name in generator.PAGES
+        if (REFERENCE_DIR / name).read_text() != (tmp_path / name).read_text()
+    ]
+    assert not stale, (
+        f"docs/reference/{stale} out of date with the schema: "
         "run .venv/bin/python tools/gen_config_reference.py and commit the result"
     )
+
+
+def _assert_page_lists_keys(text: str, keys: dict, patterns: list[str], page: str) -> None:
+    """Every key of ``keys`` (``schema_keys``) in its section's table of ``text``, every pattern
+    as a table row."""
+    for key, info in keys.items():
+        section, _, leaf = key.rpartition(".")
+        if info.section:
+            assert f"## `{key}`" in text, (page, key)
+        else:
+            heading = f"## `{section}`" if section else "## Top-level keys"
+            table = text[text.index(heading) :]
+            assert f"| `{leaf}` |" in table.split("\n## ", 1)[0], (page, key)
+    for pattern in patterns:
+        assert f"| `{pattern}` |" in text, (page, pattern)
 
 
 def test_config_reference_covers_every_schema_key_and_ignored_key():
     from rlhf_megatron.config import easyr1
     from rlhf_megatron.config.keys import IGNORED_KEYS, RENAMED_KEYS, schema_keys
 
-    text = REFERENCE.read_text()
-    for key, info in schema_keys().items():
-        section, _, leaf = key.rpartition(".")
-        if info.section:
-            assert f"## `{key}`" in text, key
-        else:
-            heading = f"## `{section}`" if section else "## Top-level keys"
-            table = text[text.index(heading) :]
-            assert f"| `{leaf}` |" in table.split("\n## ", 1)[0], key
-    for pattern in [e.pattern for e in IGNORED_KEYS] + list(RENAMED_KEYS) + list(easyr1.RULES):
-        assert f"| `{pattern}` |" in text, pattern
-    for entry in easyr1.IGNORED:
-        assert f"| `{entry.pattern}` |" in text, entry.pattern
+    patterns = [e.pattern for e in IGNORED_KEYS] + list(RENAMED_KEYS) + list(easyr1.RULES)
+    patterns += [e.pattern for e in easyr1.IGNORED]
+    _assert_page_lists_keys(REFERENCE.read_text(), schema_keys(), patterns, "config.md")
+
+
+def test_stage_references_cover_every_stage_key_and_ignored_verl_key():
+    from rlhf_megatron.config.keys import STAGE_IGNORED_KEYS, schema_keys
+    from rlhf_megatron.config.schema_stages import RMConfig, SFTConfig
+
+    patterns = [e.pattern for e in STAGE_IGNORED_KEYS]
+    for page, schema in (("sft.md", SFTConfig), ("rm.md", RMConfig)):
+        _assert_page_lists_keys((REFERENCE_DIR / page).read_text(), schema_keys(schema), patterns, page)
 
 
 def test_site_builds_in_strict_mode(tmp_path):
@@ -329,7 +367,8 @@ def test_site_builds_in_strict_mode(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+    for page in ("config", "sft", "rm"):
+        assert (tmp_path / "site" / "reference" / page / "index.html").is_file(), page
 
 
 def test_every_shell_block_is_cluster_only_or_run_by_a_test():

@@ -250,7 +250,20 @@ STAGE_IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("data.use_shm", "files are read from their paths", (False,)),
     IgnoredKey("trainer.default_hdfs_dir", "checkpoints stay in trainer.default_local_dir", (None,)),
     IgnoredKey("trainer.checkpoint", "a stage checkpoint holds the model and its optimizer state"),
+    IgnoredKey("trainer.resume_path", "resume_mode=auto continues from default_local_dir", (None,)),
+    IgnoredKey("model.use_shm", "the model is read from its path", (False,)),
+    IgnoredKey("data.prompt_dict_keys", "prompt_key names a string column", (None,)),
+    IgnoredKey("data.response_dict_keys", "response_key names a string column", (None,)),
+    IgnoredKey("data.multiturn.enable_thinking_key", "rendered as the chat template renders it"),
 )
+
+# verl's SFT spellings of a stage key (``sft_trainer.yaml``) -> the key; RL's table does not apply.
+STAGE_RENAMED_KEYS: dict[str, str] = {
+    "optim.warmup_steps_ratio": "optim.lr_warmup_steps_ratio",
+    "optim.lr_scheduler": "optim.warmup_style",
+    "optim.grad_clip": "optim.clip_grad",
+    "trainer.save_limit": "trainer.max_ckpt_to_keep",
+}
 
 
 def find_ignored(key: str, table: tuple[IgnoredKey, ...] = IGNORED_KEYS) -> IgnoredKey | None:

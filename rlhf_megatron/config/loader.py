@@ -35,6 +35,7 @@ from rlhf_megatron.config.keys import (
     IGNORED_KEYS,
     RENAMED_KEYS,
     STAGE_IGNORED_KEYS,
+    STAGE_RENAMED_KEYS,
     KeyInfo,
     find_ignored,
     schema_keys,
@@ -119,9 +120,9 @@ class _Layers:
                 continue  # the canonical spelling in the same layer wins
             self._set(target, value, source)
 
-    @staticmethod
-    def _rename(key: str) -> str:
-        for old, new in RENAMED_KEYS.items():
+    def _rename(self, key: str) -> str:
+        table = RENAMED_KEYS if self.schema is RunConfig else STAGE_RENAMED_KEYS
+        for old, new in table.items():
             if key == old or key.startswith(old + "."):
                 return new + key[len(old) :]
         return key

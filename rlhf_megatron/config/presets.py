@@ -57,10 +57,22 @@ NOT_PRESETS = ("tools",)
 """Folders of ``configs/`` that hold other files than run configs (verl-format tool configs)."""
 
 
-def list_presets() -> list[Path]:
-    """Every preset shipped in ``configs/``, sorted (not the tool configs of ``configs/tools/``)."""
+def preset_stage(path: Path) -> str | None:
+    """``sft`` or ``rm`` for a preset of a stage before RL (``python -m rlhf_megatron.sft`` / ``.rm``:
+    named ``sft.yaml`` / ``*_sft.yaml`` or ``rm.yaml`` / ``*_rm.yaml``), None for an RL run's."""
+    for stage in ("sft", "rm"):
+        if path.stem == stage or path.stem.endswith(f"_{stage}"):
+            return stage
+    return None
+
+
+def list_presets(stage: str | None = None) -> list[Path]:
+    """The presets shipped in ``configs/`` for RL runs (``stage`` None) or for a stage (``sft``,
+    ``rm``), sorted (not the tool configs of ``configs/tools/``)."""
     return sorted(
-        p for p in CONFIGS_DIR.rglob("*.yaml") if p.relative_to(CONFIGS_DIR).parts[0] not in NOT_PRESETS
+        p
+        for p in CONFIGS_DIR.rglob("*.yaml")
+        if p.relative_to(CONFIGS_DIR).parts[0] not in NOT_PRESETS and preset_stage(p) == stage
     )
 
 

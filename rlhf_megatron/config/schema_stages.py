@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_megatron.choices import Device, Truncation
+from rlhf_megatron.choices import Device, Truncation, WarmupStyle
 from rlhf_megatron.config.checks import count_problems
 from rlhf_megatron.config.schema_model import MegatronConfig, OptimConfig
 
@@ -218,14 +218,19 @@ class StageTrainerConfig:
         return count_problems(key, {"nnodes": self.nnodes, "n_gpus_per_node": self.n_gpus_per_node})
 
 
+def _verl_sft_optim() -> OptimConfig:
+    """verl's ``sft_trainer.yaml`` optimizer defaults."""
+    return OptimConfig(lr=1e-5, betas=[0.9, 0.95], lr_warmup_steps_ratio=0.1, warmup_style=WarmupStyle.cosine)
+
+
 @dataclass
 class SFTConfig:
     """``python -m rlhf_megatron.sft``: supervised fine-tuning on the Megatron engine."""
 
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     model: StageModelConfig = field(default_factory=StageModelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """The optimizer (verl's SFT default LR 1e-5)."""
+    optim: OptimConfig = field(default_factory=lambda: _verl_sft_optim())
+    """The optimizer, with verl's SFT defaults (lr 1e-5, betas 0.9/0.95, 10% warmup, cosine decay)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout, dtype and recomputation, as an RL role's ``megatron`` section."""
     trainer: StageTrainerConfig = field(default_factory=StageTrainerConfig)
@@ -237,8 +242,8 @@ class RMConfig:
 
     data: RMDataConfig = field(default_factory=RMDataConfig)
     model: StageModelConfig = field(default_factory=StageModelConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """The optimizer."""
+    optim: OptimConfig = field(default_factory=lambda: _verl_sft_optim())
+    """The optimizer, with SFT's defaults (lr 1e-5, betas 0.9/0.95, 10% warmup, cosine decay)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout, dtype and recomputation, as an RL role's ``megatron`` section."""
     trainer: StageTrainerConfig = field(

@@ -79,8 +79,8 @@ def tokenize_conversation(
     row in errors."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise SFTDataError(
-            f"{source}: the tokenizer has no chat template; set one, or train single-turn rows without "
-            "data.multiturn (prompt_key / response_key)"
+            f"{source}: the tokenizer has no chat template, and every row (single-turn prompt/response "
+            "too) is rendered with it; set tokenizer.chat_template in the model's tokenizer_config.json"
         )
     if not messages or not any(m.get("role") == "assistant" for m in messages):
         raise SFTDataError(f"{source}: no assistant message, so nothing to train on")

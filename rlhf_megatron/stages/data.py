@@ -46,8 +46,14 @@ def read_rows(files: Any, files_key: str) -> Iterator[tuple[str, dict[str, Any]]
 
 
 def _json_list(value: Any) -> Any:
-    """A column that holds JSON text (some writers store nested lists as strings) parsed."""
-    return json.loads(value) if isinstance(value, str) and value[:1] in "[{" else value
+    """A messages or tools column written as JSON text (some writers store nested lists as
+    strings) parsed; anything else, text that is not JSON included, as it is."""
+    if isinstance(value, str) and value[:1] in "[{":
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
 
 
 def sft_samples(data: SFTDataConfig, tokenizer, files: Any, files_key: str) -> list[SFTSample]:
@@ -132,7 +138,6 @@ def pair_samples(data: RMDataConfig, tokenizer, files: Any, files_key: str) -> l
 
     out = []
     for source, row in read_rows(files, files_key):
-        row = {k: _json_list(v) for k, v in row.items()}
         out.append(
             tokenize_pair(
                 tokenizer,

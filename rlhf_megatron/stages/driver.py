@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config.context import RunContext, Seeds
+from rlhf_megatron.platform.faults import StopTraining, fault_point
 from rlhf_megatron.stages.data import epoch_order, pair_batch, pair_samples, sft_batch, sft_samples
 from rlhf_megatron.stages.worker import StageWorker
 
@@ -129,7 +130,11 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
         if resume_from is not None:
             group.call("load_checkpoint", str(resume_from))
             step = checkpoints.read_state(resume_from)["global_step"]
-        history = _loop(stage, group, checkpoints, tracker, step, total)
+        try:
+            history = _loop(stage, group, checkpoints, tracker, step, total, history)
+        except StopTraining as stop:
+            logger.warning("%s", stop)
+            return history
         _report(run_dir, kind, history)
         return history
     finally:
@@ -141,11 +146,12 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
             ray.shutdown()
 
 
-def _loop(stage: _Stage, group, checkpoints, tracker, step: int, total: int) -> list[dict[str, Any]]:
+def _loop(
+    stage: _Stage, group, checkpoints, tracker, step: int, total: int, history: list
+) -> list[dict[str, Any]]:
     cfg = stage.cfg
     data, trainer = cfg.data, cfg.trainer
     per_epoch = max(1, len(stage.train) // data.train_batch_size)
-    history = []
     while step < total:
         epoch, index = divmod(step, per_epoch)
         order = epoch_order(len(stage.train), epoch, trainer.seed, data.shuffle)
@@ -162,6 +168,7 @@ def _loop(stage: _Stage, group, checkpoints, tracker, step: int, total: int) -> 
         history.append({"step": step, **record})
         if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
             _save(group, checkpoints, step)
+        fault_point("trainer.step_end", step=step)  # tests pre-empt a run here (RLHF_STOP_AFTER_STEP)
     return history
 
 

@@ -120,10 +120,11 @@ class StageWorker(MegatronRoleWorker):
         n_micro = -(-len(batch) // size)
         loss_fn, keys = self._loss(batch, n_micro, dp)
         self.updates += 1
+        lr = self.model.lr  # the rate this step trains at (the schedule moves on after it)
         result = self.model.train_step(
             self._micros(batch, keys), loss_fn, where=f"[{self.role}] rank {self.rank}"
         )
-        return self._sums(result["metrics"], grad_norm=result["grad_norm"], lr=self.model.lr)
+        return self._sums(result["metrics"], grad_norm=result["grad_norm"], lr=lr)
 
     @dispatch(Dispatch.DP_COMPUTE)
     def eval_batch(self, batch: Batch) -> dict[str, float] | None:

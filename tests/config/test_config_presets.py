@@ -232,3 +232,35 @@ def test_preset_states_only_what_differs(preset):
         if _same_value(value, without):
             restated.append(f"{key}: {value!r}")
     assert not restated, f"{preset} restates the value these keys have without it: {restated}"
+
+
+STAGE_PRESETS = [
+    (stage, p.relative_to(CONFIGS_DIR).as_posix()) for stage in ("sft", "rm") for p in list_presets(stage)
+]
+
+
+def test_the_pipeline_presets_are_stage_presets():
+    assert ("sft", "pipeline_cpu/sft.yaml") in STAGE_PRESETS and (
+        "rm",
+        "pipeline_cpu/rm.yaml",
+    ) in STAGE_PRESETS
+    assert "pipeline_cpu/ppo.yaml" in PRESETS
+
+
+@pytest.mark.parametrize("stage, preset", STAGE_PRESETS)
+def test_stage_preset_loads_and_states_only_what_differs(stage, preset):
+    from omegaconf import OmegaConf
+
+    from rlhf_megatron.config.loader import load_stage_config
+    from rlhf_megatron.config.schema_stages import RMConfig, SFTConfig
+
+    schema = SFTConfig if stage == "sft" else RMConfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_stage_config(schema, preset, [])
+    defaults = dict(
+        _leaves(OmegaConf.to_container(OmegaConf.structured(schema), resolve=False, enum_to_str=True))
+    )
+    *_, (_, own) = read_preset_layers(preset)
+    restated = [f"{k}: {v!r}" for k, v in _leaves(own) if _same_value(v, defaults.get(k, object()))]
+    assert not restated, f"{preset} restates the value these keys have without it: {restated}"

@@ -22,11 +22,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _stage(
-    kind: str, overrides: list[str], timeout: int = 600
+    kind: str, overrides: list[str], timeout: int = 600, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = {**os.environ, "WANDB_MODE": "offline", **shared_ray_env()}
+    """``python -m rlhf_megatron.<kind> --config pipeline_cpu/<kind> ...``: the pipeline's shipped
+    config with this test's paths and sizes. ``env`` may hold the pre-emption hook."""
+    env = {**os.environ, "WANDB_MODE": "offline", **shared_ray_env(), **(env or {})}
+    if "RLHF_STOP_AFTER_STEP" in env:
+        env.setdefault("RLHF_FAULT_HOOKS", str(ROOT / "tests" / "fault_hooks.py"))
     proc = subprocess.run(
-        [sys.executable, "-m", f"rlhf_megatron.{kind}", *overrides],
+        [sys.executable, "-m", f"rlhf_megatron.{kind}", "--config", f"pipeline_cpu/{kind}", *overrides],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -115,9 +119,12 @@ def test_sft_trains_the_assistant_turns_and_logs_verls_names(sft_run):
 
 
 def test_sft_resumes_from_its_last_checkpoint_exactly(sft_run, tiny_run_inputs, stage_data, tmp_path):
-    run_dir = tmp_path / "b"
-    proc, first = _stage("sft", _sft(tiny_run_inputs, stage_data, run_dir, 2))
+    run_dir = tmp_path / "b"  # pre-empted after step 2 (its checkpoint is on disk), then restarted
+    proc, first = _stage(
+        "sft", _sft(tiny_run_inputs, stage_data, run_dir, 3), env={"RLHF_STOP_AFTER_STEP": "2"}
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in first] == [1, 2]
     proc, resumed = _stage("sft", _sft(tiny_run_inputs, stage_data, run_dir, 3))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in resumed] == [1, 2, 3], "the resumed run appends step 3"
@@ -126,8 +133,9 @@ def test_sft_resumes_from_its_last_checkpoint_exactly(sft_run, tiny_run_inputs, 
 
 def test_reward_model_then_rl_from_both_checkpoints(sft_run, tiny_run_inputs, stage_data, tmp_path):
     """RM training from the SFT checkpoint (exported to HF), its accuracy and margin on the
-    validation pairs, then one GRPO step whose actor is the SFT model and whose reward model is the
-    trained one (``reward_model.enable=true``)."""
+    validation pairs, then one PPO step (the pipeline's RL config) whose actor is the SFT model,
+    whose reward model is the trained one (``reward_model.enable=true``) and whose critic starts
+    from it too."""
     sft_dir, _ = sft_run
     sft_hf = tmp_path / "sft_hf"
     convert = [sys.executable, "-m", "rlhf_megatron.cli", "convert", "mcore-to-hf"]
@@ -172,11 +180,14 @@ def test_reward_model_then_rl_from_both_checkpoints(sft_run, tiny_run_inputs, st
         **{
             "trainer.total_training_steps": 1,
             "trainer.save_freq": -1,
-            "reward_model.enable": True,
             "reward_model.model.path": str(rm_hf),
             "reward_model.micro_batch_size_per_gpu": 8,
+            "algorithm.adv_estimator": "gae",
+            "critic.model.path": str(rm_hf),
+            "critic.ppo_micro_batch_size_per_gpu": 8,
         },
     )
-    proc, rl = run_train("quickstart_cpu", overrides)
+    proc, rl = run_train("pipeline_cpu/ppo", overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in rl] == [1] and math.isfinite(rl[0]["reward/rm_score_mean"])
+    assert math.isfinite(rl[0]["critic/vf_loss"]), "the critic, initialised from the reward model, trained"
