@@ -90,9 +90,18 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
 
 
 def _pad_rows(rows: list[dict[str, list[int]]], multiple: int, width_multiple: int) -> Batch:
-    """Right-pad ``rows`` (lists per key) into tensors; add empty rows up to a multiple of ``multiple``."""
+    """Right-pad ``rows`` (lists per key) into tensors; add filler rows up to a multiple of
+    ``multiple``: one token each, attended (a row with no key to attend to gives fused attention
+    NaNs) and never trained (``loss_mask`` 0)."""
+    filler = {
+        "input_ids": [0],
+        "attention_mask": [1],
+        "position_ids": [0],
+        "loss_mask": [0],
+        "segment_ids": [1],
+    }
     while len(rows) % multiple:
-        rows.append({k: [] for k in rows[0]})
+        rows.append({k: filler[k] for k in rows[0]})
     width = max(len(r["input_ids"]) for r in rows)
     width = -(-width // width_multiple) * width_multiple
     out = {}

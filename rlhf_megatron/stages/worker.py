@@ -71,7 +71,7 @@ class StageWorker(MegatronRoleWorker):
                 seg = micro["segment_ids"]
                 mask = mask * (seg[:, 1:] == seg[:, :-1]).float()
             nll = -vocab_parallel_log_probs(logits[:, :-1], ids[:, 1:], vocab).float()
-            total = (nll * mask).sum()
+            total = torch.where(mask > 0, nll, 0.0).sum()  # a masked position's value never counts
             return total * scale, {"nll_sum": total.detach(), "tokens": mask.sum().detach()}
 
         return fn

@@ -120,3 +120,15 @@ def test_packing_keeps_samples_whole_in_segments_with_their_own_positions():
             assert positions == list(range(len(positions))), "positions restart in every segment"
     with pytest.raises(SFTDataError, match="sample 4: 6 tokens do not fit a packed row of 5"):
         pack_samples(samples, 5)
+
+
+def test_stage_batches_pad_with_attended_untrained_filler_rows():
+    from rlhf_megatron.config.schema_stages import SFTDataConfig
+    from rlhf_megatron.stages.data import sft_batch
+
+    samples = [SFTSample((5, 6, 7), (0, 1, 1)), SFTSample((8, 9), (0, 1))]
+    batch = sft_batch(samples, SFTDataConfig(max_length=4, packing=True), dp=4)
+    assert len(batch) == 4  # two packed rows (3 and 2 tokens do not share 4), two filler rows
+    for row in range(len(batch)):
+        assert batch["attention_mask"][row].sum() >= 1, "every row attends to at least one token"
+    assert int(batch["loss_mask"].sum()) == 3, "filler rows train nothing"
