@@ -314,16 +314,7 @@ def load_config(
             for source, mapping in read_preset_layers(config_file):
                 layers.add(source, mapping)
         layers.add(COMMAND_LINE, parsed)
-    if layers.errors:
-        raise ConfigError(layers.errors)
-
-    cfg = OmegaConf.structured(RunConfig)
-    errors = _apply(cfg, layers)
-    errors += _resolve(cfg) if not errors else []
-    if errors:
-        raise ConfigError(errors)
-    _warn_ignored(layers.ignored)
-
+    cfg = _build(layers)
     if validate:
         # Imported here: validate/normalize import this module's siblings, not the reverse.
         from rlhf_megatron.config.normalize import normalize_config
@@ -331,6 +322,20 @@ def load_config(
 
         validate_config(cfg, world_size=world_size)
         normalize_config(cfg, world_size=world_size)
+    return cfg
+
+
+def _build(layers: _Layers) -> DictConfig:
+    """The structured, resolved config of ``layers.schema`` with every layer written in; raises
+    ``ConfigError`` listing the layers' and the values' problems; warns about ignored keys."""
+    if layers.errors:
+        raise ConfigError(layers.errors)
+    cfg = OmegaConf.structured(layers.schema)
+    errors = _apply(cfg, layers)
+    errors += _resolve(cfg) if not errors else []
+    if errors:
+        raise ConfigError(errors)
+    _warn_ignored(layers.ignored)
     return cfg
 
 
@@ -347,14 +352,8 @@ def load_stage_config(
         for source, mapping in read_preset_layers(config_file):
             layers.add(source, mapping)
     layers.add(COMMAND_LINE, parse_overrides(overrides))
-    if layers.errors:
-        raise ConfigError(layers.errors)
-    cfg = OmegaConf.structured(schema)
-    errors = _apply(cfg, layers)
-    errors += _resolve(cfg) if not errors else []
-    if errors:
-        raise ConfigError(errors)
-    _warn_ignored(layers.ignored)
+    cfg = _build(layers)
+    errors = []
     typed = OmegaConf.to_object(cfg)
     for f in dataclasses.fields(typed):
         section = getattr(typed, f.name)
