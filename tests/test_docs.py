@@ -206,7 +206,7 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         "bash scripts/pipeline_cpu.sh",
         (
             ("tests/stages/test_stages_e2e.py", '("arith_sft.py", "sft"), ("arith_prefs.py", "prefs")'),
-            ("tests/stages/test_stages_e2e.py", '"--config", f"pipeline_cpu/{kind}"'),
+            ("tests/stages/test_stages_e2e.py", 'run_train(f"pipeline_cpu/{kind}"'),
             ("tests/stages/test_stages_e2e.py", 'run_train("pipeline_cpu/ppo"'),
             ("tests/stages/test_stages_e2e.py", '"global_step_3/reward_model"'),
         ),

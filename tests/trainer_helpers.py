@@ -162,14 +162,15 @@ def _stop_ray_head(head: subprocess.Popen) -> None:
             head.kill()
 
 
-def run_train(config, overrides, env=None, timeout=600, own_ray=False):
+def run_train(config, overrides, env=None, timeout=600, own_ray=False, module="rlhf_megatron.train"):
     """Run the real CLI in a fresh process; returns (CompletedProcess, metric records by step).
 
     The run joins this test process's shared Ray cluster through ``RAY_ADDRESS`` (start-up and
     shutdown of a Ray cost ~5 s a run), unless ``own_ray``: then the CLI starts its own, as a
     user's ``rlhf-megatron train`` on one machine does. A run given the fault-injection test hook
     (``RLHF_FAULT*``, ``RLHF_STOP_AFTER_STEP``) gets ``RLHF_FAULT_HOOKS=tests/fault_hooks.py``
-    too (unless set), the file ``fault_point`` loads its handlers from; other runs do not."""
+    too (unless set), the file ``fault_point`` loads its handlers from; other runs do not.
+    ``module``: the CLI (``rlhf_megatron.sft`` / ``.rm`` run the stages before RL)."""
     full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
     if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in full_env.items()):
         full_env.setdefault("RLHF_FAULT_HOOKS", str(ROOT / "tests" / "fault_hooks.py"))
@@ -179,7 +180,7 @@ def run_train(config, overrides, env=None, timeout=600, own_ray=False):
         full_env.update(shared_ray_env())
     config_args = ["--config", config] if config else []
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf_megatron.train", *config_args, *overrides],
+        [sys.executable, "-m", module, *config_args, *overrides],
         cwd=ROOT,
         env=full_env,
         capture_output=True,

@@ -9,38 +9,23 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from shared_artifacts import shared_artifact
-from trainer_helpers import ROOT, run_train, shared_ray_env, train_overrides
+from trainer_helpers import ROOT, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def _stage(
-    kind: str, overrides: list[str], timeout: int = 600, env: dict[str, str] | None = None
+    kind: str, overrides: list[str], env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """``python -m rlhf_megatron.<kind> --config pipeline_cpu/<kind> ...``: the pipeline's shipped
     config with this test's paths and sizes. ``env`` may hold the pre-emption hook."""
-    env = {**os.environ, "WANDB_MODE": "offline", **shared_ray_env(), **(env or {})}
-    if "RLHF_STOP_AFTER_STEP" in env:
-        env.setdefault("RLHF_FAULT_HOOKS", str(ROOT / "tests" / "fault_hooks.py"))
-    proc = subprocess.run(
-        [sys.executable, "-m", f"rlhf_megatron.{kind}", "--config", f"pipeline_cpu/{kind}", *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.default_local_dir="))
-    path = Path(run_dir) / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return proc, records
+    return run_train(f"pipeline_cpu/{kind}", overrides, env=env, module=f"rlhf_megatron.{kind}")
 
 
 @pytest.fixture(scope="session")
