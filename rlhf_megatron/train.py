@@ -23,7 +23,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config import ConfigError, load_config, save_resolved_config
 
-__all__ = ["TrainerUnavailableError", "build_parser", "exit_process", "main", "start_training"]
+__all__ = [
+    "TrainerUnavailableError",
+    "build_parser",
+    "exit_process",
+    "load_and_print",
+    "main",
+    "start_training",
+]
 
 
 class TrainerUnavailableError(RuntimeError):
@@ -77,21 +84,30 @@ def start_training(cfg: DictConfig) -> None:
     run_training(cfg)
 
 
+def load_and_print(load: Callable[[], DictConfig]) -> DictConfig | None:
+    """Run ``load``; print its warnings to stderr and the resolved config to stdout, or its
+    ``ConfigError`` to stderr and return None."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load()
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(OmegaConf.to_yaml(cfg), end="")
+    return cfg
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rlhf_megatron.platform import quiet_cpu_fallback_warnings
 
     quiet_cpu_fallback_warnings()
     args = build_parser().parse_intermixed_args(argv)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cfg = load_config(args.config, args.overrides, world_size=args.world_size)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    cfg = load_and_print(lambda: load_config(args.config, args.overrides, world_size=args.world_size))
+    if cfg is None:
         return 2
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    print(OmegaConf.to_yaml(cfg), end="")
     if args.dry_run:
         print("dry run: the config is valid; training not started", file=sys.stderr)
         return 0

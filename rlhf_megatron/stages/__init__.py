@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from collections.abc import Sequence
 
 __all__ = ["stage_main"]
@@ -17,12 +16,10 @@ __all__ = ["stage_main"]
 
 def stage_main(kind: str, argv: Sequence[str] | None = None) -> int:
     """The command line of stage ``kind`` (``sft`` or ``rm``): ``[--config FILE] [--dry-run] key=value ...``."""
-    from omegaconf import OmegaConf
-
-    from rlhf_megatron.config import ConfigError
     from rlhf_megatron.config.loader import load_stage_config
     from rlhf_megatron.config.schema_stages import RMConfig, SFTConfig
     from rlhf_megatron.platform import quiet_cpu_fallback_warnings
+    from rlhf_megatron.train import load_and_print
 
     quiet_cpu_fallback_warnings()
     what = {
@@ -42,16 +39,9 @@ def stage_main(kind: str, argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_intermixed_args(argv)
     schema = SFTConfig if kind == "sft" else RMConfig
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cfg = load_stage_config(schema, args.config, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    cfg = load_and_print(lambda: load_stage_config(schema, args.config, args.overrides))
+    if cfg is None:
         return 2
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    print(OmegaConf.to_yaml(cfg), end="")
     if args.dry_run:
         print("dry run: the config is valid; training not started", file=sys.stderr)
         return 0
