@@ -20,7 +20,10 @@ Boundaries: produces plain Python rows; turning them into verl parquet rows is i
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
@@ -168,3 +171,31 @@ def make_countdown_split(
             seen.add(key)
             problems.append(problem)
     return [p.as_row() for p in problems[:train_size]], [p.as_row() for p in problems[train_size:]]
+
+
+# -- the arith data tools' command line (tools/data/arith*.py) ------------------------------------
+
+
+def arith_split_parser(description: str) -> argparse.ArgumentParser:
+    """The options every arith data tool takes: where, how many, seed, operand range."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output-dir", required=True, help="directory for train.parquet and test.parquet")
+    parser.add_argument("--train-size", type=int, required=True)
+    parser.add_argument("--test-size", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
+    return parser
+
+
+def write_arith_splits(args: argparse.Namespace, make_row: Callable[[dict, str, int], dict]) -> list[str]:
+    """``make_arith_split``'s train and test problems as ``make_row(problem, split, index)`` rows in
+    ``<output_dir>/{train,test}.parquet`` (atomically); returns the paths."""
+    from rlhf_megatron.data.preprocess import write_parquet_atomic
+
+    train, test = make_arith_split(args.train_size, args.test_size, args.seed, args.max_operand)
+    paths = []
+    for split, problems in (("train", train), ("test", test)):
+        rows = [make_row(p, split, i) for i, p in enumerate(problems)]
+        paths.append(write_parquet_atomic(rows, os.path.join(args.output_dir, f"{split}.parquet")))
+        print(f"wrote {len(rows)} rows to {paths[-1]}")
+    return paths

@@ -16,12 +16,9 @@ test problem. Files are written atomically.
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 
-from rlhf_megatron.data.preprocess import write_parquet_atomic
-from rlhf_megatron.data.synthetic import make_arith_split
+from rlhf_megatron.data.synthetic import arith_split_parser, write_arith_splits
 
 REJECTED_KINDS = ("off_by", "run_on", "echo")
 
@@ -52,12 +49,7 @@ def pref_row(
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", required=True, help="directory for train.parquet and test.parquet")
-    parser.add_argument("--train-size", type=int, required=True)
-    parser.add_argument("--test-size", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
+    parser = arith_split_parser(__doc__.splitlines()[0])
     parser.add_argument("--max-offset", type=int, default=3, help="an off-by answer is 1..max-offset away")
     parser.add_argument(
         "--malformed-fraction", type=float, default=0.3, help="share of rejected answers that are malformed"
@@ -68,19 +60,13 @@ def main(argv: list[str] | None = None) -> list[str]:
             f"--max-offset must be at least 1 (got {args.max_offset}) and --malformed-fraction in [0, 1] "
             f"(got {args.malformed_fraction})"
         )
-
-    train, test = make_arith_split(args.train_size, args.test_size, args.seed, args.max_operand)
     # A generator of its own, so the problems stay exactly arith.py's for the same seed.
     rng = random.Random(f"arith_prefs:{args.seed}")
-    paths = []
-    for split, problems in (("train", train), ("test", test)):
-        rows = [
-            pref_row(p["question"], p["answer"], split, i, rng, args.malformed_fraction, args.max_offset)
-            for i, p in enumerate(problems)
-        ]
-        paths.append(write_parquet_atomic(rows, os.path.join(args.output_dir, f"{split}.parquet")))
-        print(f"wrote {len(rows)} rows to {paths[-1]}")
-    return paths
+
+    def row(p: dict, split: str, i: int) -> dict:
+        return pref_row(p["question"], p["answer"], split, i, rng, args.malformed_fraction, args.max_offset)
+
+    return write_arith_splits(args, row)
 
 
 if __name__ == "__main__":
