@@ -4,6 +4,12 @@ One uninterrupted 3-step run (checkpoint every step; the session's shared ``refe
 reference: runs that are killed (a worker mid-generation, mid-update or mid-weight-sync, the driver
 mid-save) and restarted with resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
 (``tests/fault_hooks.py``).
+
+That equality is also the determinism check: the killed run's step 1 is a fresh run's (same seed,
+same records as the reference's) and the restart's steps 2-3 come from a checkpoint, so a run that
+differed from the same seed's other run, or from its own resumed self, fails here. A graceful
+pre-emption (``RLHF_STOP_AFTER_STEP``) then resume is tested beside the runs it interrupts
+(one-step-off, LoRA, the SFT stage); the resume path after it is the one these restarts take.
 """
 
 import json
@@ -57,12 +63,6 @@ def _left_behind(before: set[str]) -> set[str]:
 
 def _marker(run: Path) -> str:
     return (run / "latest_checkpointed_iteration.txt").read_text().strip()
-
-
-def test_same_seed_gives_bit_identical_metrics(tiny_run_inputs, tmp_path, reference_run):
-    proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run", **EXTRA))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(records) == _stable(reference_run[1])
 
 
 def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inputs, tmp_path, reference_run):
