@@ -62,8 +62,16 @@ def build_tiny_hf_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     extra_words: tuple[str, ...] = (),
+    eos_logit: float = 0.0,
 ):
-    """A random ``arch`` model (float32, seeded) and the tiny tokenizer, in memory: ``(model, tokenizer)``."""
+    """A random ``arch`` model (float32, seeded) and the tiny tokenizer, in memory: ``(model, tokenizer)``.
+
+    ``eos_logit`` > 0 makes the model end its answers: the end-of-sequence token's logit sits about
+    that far above the others' at every position (with the tiny tokenizer's ~110 tokens, 5 ends
+    about half of the answers at each token), so
+    a test whose config allows long responses does not pay for random text up to the limit. Every
+    token's embedding then shares one large component (dimension 0), which the final norm keeps and
+    only the EOS row of the output layer reads."""
     import transformers
 
     from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
@@ -93,7 +101,23 @@ def build_tiny_hf_model(
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.05)
+        if eos_logit:
+            _favour_eos(model, tokenizer.eos_token_id, eos_logit)
     return model, tokenizer
+
+
+def _favour_eos(model, eos_id: int, logit: float) -> None:
+    """See ``build_tiny_hf_model(eos_logit=...)``. The shared component (10, against a few tenths
+    from each random dimension) dominates the final RMS norm; the EOS row's weight on it is set
+    from the normed value measured on a random batch, so its logit lands ``logit`` above the rest."""
+    if model.config.tie_word_embeddings:
+        raise ValueError("tiny model: eos_logit needs untied embeddings (tie_word_embeddings=False)")
+    model.get_input_embeddings().weight[:, 0] = 10.0
+    head = model.get_output_embeddings().weight
+    head[:, 0] = 0.0
+    probe = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    normed = model(probe, output_hidden_states=True).hidden_states[-1][..., 0]
+    head[eos_id, 0] = logit / float(normed.mean())
 
 
 def make_tiny_hf_model(
@@ -110,8 +134,10 @@ def make_tiny_hf_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     extra_words: tuple[str, ...] = (),
+    eos_logit: float = 0.0,
 ) -> Path:
-    """Write a random ``arch`` model plus the tiny tokenizer to ``out_dir``; return the path."""
+    """Write a random ``arch`` model plus the tiny tokenizer to ``out_dir``; return the path.
+    ``eos_logit``: see ``build_tiny_hf_model``."""
     model, tokenizer = build_tiny_hf_model(
         arch=arch,
         num_layers=num_layers,
@@ -124,6 +150,7 @@ def make_tiny_hf_model(
         max_position_embeddings=max_position_embeddings,
         seed=seed,
         extra_words=extra_words,
+        eos_logit=eos_logit,
     )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -75,6 +75,7 @@ def test_tinyzero_seed_command_runs_one_step(tmp_path):
         ffn_hidden_size=256,
         max_position_embeddings=2048,
         extra_words=PROMPT_WORDS,
+        eos_logit=5.0,  # answers end after a few tokens, not at the seed's 1024-token limit
     )
     command = f"""
         data.train_files={data}/train.parquet data.val_files={data}/test.parquet data.train_batch_size=256
