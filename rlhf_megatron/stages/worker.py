@@ -66,6 +66,10 @@ class StageWorker(MegatronRoleWorker):
 
         def fn(logits, micro):
             ids = micro["input_ids"]
+            # Filler rows only (one token each, trimmed to one column): nothing to predict.
+            if ids.shape[1] < 2:
+                zero = logits.sum() * 0.0  # a graph for the schedule's backward
+                return zero, {"nll_sum": zero.detach(), "tokens": zero.detach()}
             mask = micro["loss_mask"][:, 1:].float()  # token t+1 is predicted at position t
             if "segment_ids" in micro:  # never across a packed row's sample boundary
                 seg = micro["segment_ids"]
