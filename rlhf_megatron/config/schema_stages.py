@@ -64,11 +64,25 @@ class SFTDataConfig:
     """Chat-transcript rows: the loss trains every assistant message (tool calls included), never
     the system, user or tool turns."""
 
+    image_key: str = "images"
+    """Column holding each row's list of images (``{"bytes": ...}`` as HF datasets store them, or
+    file paths), placed by ``<image>`` in user messages or ``{"type": "image"}`` content parts, in
+    order. Needs a vision-language model (Qwen2.5-VL); an absent column means no images."""
+
+    min_pixels: int | None = 262144
+    """Images with fewer pixels are scaled up to this many before the processor sees them (as in
+    RL's ``data.min_pixels``); null: no lower bound."""
+
+    max_pixels: int | None = 4194304
+    """Images with more pixels are scaled down to this many before the processor sees them (as in
+    RL's ``data.max_pixels``); null: no upper bound."""
+
     max_length: int = 1024
-    """Tokens of one sample (and of one packed row)."""
+    """Tokens of one sample (and of one packed row), vision tokens included."""
 
     truncation: Truncation = Truncation.error
-    """A sample over ``max_length``: error, left (keep its end) or right (keep its start)."""
+    """A sample over ``max_length``: error, left (keep its end) or right (keep its start). A sample
+    with images is never truncated (always an error)."""
 
     train_batch_size: int = 256
     """Samples per optimizer step, over all data-parallel ranks."""
@@ -78,13 +92,20 @@ class SFTDataConfig:
 
     packing: bool = True
     """Put whole samples side by side in rows of ``max_length`` tokens (attention stays inside each
-    sample, positions restart): no padding between them. Our extension."""
+    sample, positions restart): no padding between them. Samples with images too (each brings its
+    images; M-RoPE positions restart). Our extension."""
 
     shuffle: bool = True
     """Shuffle the training rows every epoch (seeded by ``trainer.seed``)."""
 
     def validate(self, key: str = "data") -> list[str]:
-        return _data_problems(self, key)
+        out = _data_problems(self, key)
+        low, high = self.min_pixels, self.max_pixels
+        if low is not None and high is not None and low > high:
+            out.append(
+                f"{key}.min_pixels={low} is above {key}.max_pixels={high}; lower one or raise the other"
+            )
+        return out
 
 
 @dataclass

@@ -65,6 +65,7 @@ from rlhf_megatron.data.multimodal import (
     IMAGE_PLACEHOLDER,
     ImageError,
     VisionProcessor,
+    image_list,
     open_image,
     prepare_image,
     target_size,
@@ -199,13 +200,6 @@ def _image_count(column: pa.ChunkedArray) -> int:
     if _is_list_type(column.type):
         return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
     return len(column) - column.null_count
-
-
-def _image_cells(value: Any) -> list:
-    """An images cell as a list: null -> [], one image (bytes/path/dict) -> [it]."""
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class RLHFDataset(torch.utils.data.Dataset):
@@ -346,7 +340,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         """The row's raw images, checked against its ``<image>`` placeholders and the rollout limit."""
         if self.config.image_key not in self._tables[file_idx].column_names:
             return []
-        path, images = self.files[file_idx], _image_cells(cell)
+        path, images = self.files[file_idx], image_list(cell)
         placeholders = count_placeholders(messages)
         if placeholders != len(images):
             raise DatasetFormatError(

@@ -33,6 +33,7 @@ __all__ = [
     "concat_vision_inputs",
     "ImageError",
     "VisionProcessor",
+    "image_list",
     "load_vision_processor",
     "open_image",
     "prepare_image",
@@ -45,6 +46,13 @@ IMAGE_PLACEHOLDER = "<image>"
 
 class ImageError(ValueError):
     """An image cannot be found or decoded; the dataset adds the file and row."""
+
+
+def image_list(value: Any) -> list:
+    """An images cell as a list: null -> [], one image (bytes/path/dict) -> [it]."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def open_image(value: Any, base_dir: str | None = None) -> Image.Image:
@@ -146,6 +154,12 @@ class VisionProcessor:
         """Width of one ``pixel_values`` row: channels x temporal patch x patch x patch (3 x 2 x 14 x 14)."""
         ip = self.processor.image_processor
         return 3 * int(ip.temporal_patch_size) * int(ip.patch_size) ** 2
+
+    def pixel_inputs(self, images: list) -> dict:
+        """``pixel_values`` [patches, patch_dim] and ``image_grid_thw`` [images, 3] of prepared
+        images: the image processor's part of the processor's call (what the text is expanded by)."""
+        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     def image_tokens(self, width: int, height: int) -> int:
         """LM tokens the processor gives an image of this (already prepared) size."""

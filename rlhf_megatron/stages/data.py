@@ -8,6 +8,13 @@ reads them: ``data.sources``) and tokenizes each row (``data.sft``: single-turn
 packed, ``segment_ids``; the row count is padded to a multiple of the data-parallel size with
 empty rows (no tokens, no loss).
 
+A vision-language model (``vision``, the model's processor) reads each row's images
+(``data.image_key``) with its messages (``data.sft.tokenize_with_images``), and its batches are
+the RL actor's: ``position_ids`` ``[rows, 3, width]`` (M-RoPE, each packed sample's restarting at
+its first token) and a per-row ``multi_modal_inputs`` column (``pixel_values``,
+``image_grid_thw`` of the row's samples in order; None for a row without images), which
+``split_micro_batches`` keeps with its row. A text-only model refuses a row with images.
+
 ``pair_samples`` / ``pair_batch`` do the same for preference pairs (``data.preference``): a pair's
 two sides are consecutive rows (chosen, rejected), so a micro-batch of an even size holds whole pairs.
 
@@ -25,24 +32,29 @@ import torch
 
 from rlhf_megatron.config.schema_stages import RMDataConfig, SFTDataConfig
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.data.multimodal import VisionProcessor, concat_vision_inputs, image_list
+from rlhf_megatron.data.rope_index import get_rope_index
 from rlhf_megatron.data.sft import (
+    SFTDataError,
+    SFTImages,
     SFTSample,
     pack_samples,
     single_turn_messages,
     tokenize_conversation,
+    tokenize_with_images,
     truncate,
 )
-from rlhf_megatron.data.sources import load_source
+from rlhf_megatron.data.sources import SourceTable, load_source
 
 __all__ = ["epoch_order", "pair_batch", "pair_samples", "read_rows", "sft_batch", "sft_samples"]
 
 
-def read_rows(files: Any, files_key: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(``"<file> row <i>"``, row) for every row of every file of ``files`` (a path or a list)."""
+def read_rows(files: Any, files_key: str) -> Iterator[tuple[str, dict[str, Any], SourceTable]]:
+    """(``"<file> row <i>"``, row, its file) for every row of every file of ``files`` (a path or a list)."""
     for spec in [files] if isinstance(files, str) else list(files):
         for source in load_source(spec, files_key):
             for i, row in enumerate(source.table.to_pylist()):
-                yield f"{files_key}: {source.name} row {i}", row
+                yield f"{files_key}: {source.name} row {i}", row, source
 
 
 def _json_list(value: Any) -> Any:
@@ -56,26 +68,44 @@ def _json_list(value: Any) -> Any:
     return value
 
 
-def sft_samples(data: SFTDataConfig, tokenizer, files: Any, files_key: str) -> list[SFTSample]:
-    """Every row of ``files`` tokenized per ``data`` (see the module docstring)."""
-    from rlhf_megatron.data.sft import SFTDataError
-
+def sft_samples(
+    data: SFTDataConfig, tokenizer, files: Any, files_key: str, vision: VisionProcessor | None = None
+) -> list[SFTSample]:
+    """Every row of ``files`` tokenized per ``data`` (see the module docstring); ``vision``: the
+    model's processor (``multimodal.load_vision_processor``), None for a text-only model."""
     out = []
-    for source, row in read_rows(files, files_key):
+    for source, row, table in read_rows(files, files_key):
         if data.multiturn.enable:
             key = data.multiturn.messages_key
             if key not in row:
                 raise SFTDataError(
                     f"{source}: no column {key!r} (data.multiturn.messages_key); it has {sorted(row)}"
                 )
-            tools = _json_list(row.get(data.multiturn.tools_key))
-            sample = tokenize_conversation(tokenizer, _json_list(row[key]), tools, source)
+            messages, tools = _json_list(row[key]), _json_list(row.get(data.multiturn.tools_key))
         else:
             for key, name in ((data.prompt_key, "prompt_key"), (data.response_key, "response_key")):
                 if key not in row:
                     raise SFTDataError(f"{source}: no column {key!r} (data.{name}); it has {sorted(row)}")
             messages = single_turn_messages(row[data.prompt_key], row[data.response_key], source)
-            sample = tokenize_conversation(tokenizer, messages, None, source)
+            tools = None
+        images = image_list(row.get(data.image_key))
+        if vision is not None:
+            stored = SFTImages(
+                tuple(images),
+                f"{source}: {data.image_key!r}",
+                table.base_dir,
+                data.min_pixels,
+                data.max_pixels,
+            )
+            sample = tokenize_with_images(tokenizer, vision, messages, stored, tools, source)
+        elif images:
+            raise SFTDataError(
+                f"{source}: {data.image_key!r} (data.image_key) holds {len(images)} image(s), but the model is "
+                "text-only (its config.json has no vision_config); train a vision-language model (Qwen2.5-VL) "
+                "on it, or drop the images column"
+            )
+        else:
+            sample = tokenize_conversation(tokenizer, messages, tools, source)
         out.append(truncate(sample, data.max_length, str(data.truncation), source))
     if not out:
         raise SFTDataError(f"{files_key}={files}: no rows")
@@ -89,35 +119,44 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
 
 
-def _pad_rows(rows: list[dict[str, list[int]]], multiple: int, width_multiple: int) -> Batch:
-    """Right-pad ``rows`` (lists per key) into tensors; add filler rows up to a multiple of
+_FILLER = {"input_ids": 0, "attention_mask": 1, "position_ids": 0, "loss_mask": 0, "segment_ids": 1}
+"""Each column's value in a filler row's one token."""
+
+
+def _pad_rows(rows: list[dict[str, Any]], multiple: int, width_multiple: int) -> Batch:
+    """Right-pad ``rows`` (per key a list, or a tensor ``[..., T]``: M-RoPE positions are
+    ``[3, T]``) into tensors ``[rows, ..., width]``; add filler rows up to a multiple of
     ``multiple``: one token each, attended (a row with no key to attend to gives fused attention
     NaNs) and never trained (``loss_mask`` 0)."""
-    filler = {
-        "input_ids": [0],
-        "attention_mask": [1],
-        "position_ids": [0],
-        "loss_mask": [0],
-        "segment_ids": [1],
-    }
+    rows = [{k: torch.as_tensor(v, dtype=torch.long) for k, v in r.items()} for r in rows]
     while len(rows) % multiple:
-        rows.append({k: filler[k] for k in rows[0]})
-    width = max(len(r["input_ids"]) for r in rows)
+        rows.append({k: torch.full((*v.shape[:-1], 1), _FILLER[k]) for k, v in rows[0].items()})
+    width = max(r["input_ids"].shape[-1] for r in rows)
     width = -(-width // width_multiple) * width_multiple
     out = {}
-    for key in rows[0]:
-        t = torch.zeros(len(rows), width, dtype=torch.long)
+    for key, first in rows[0].items():
+        t = torch.zeros(len(rows), *first.shape[:-1], width, dtype=torch.long)
         for i, r in enumerate(rows):
-            t[i, : len(r[key])] = torch.tensor(r[key], dtype=torch.long)
+            t[i, ..., : r[key].shape[-1]] = r[key]
         out[key] = t
     return Batch.from_dict(out)
 
 
-def sft_batch(samples: Sequence[SFTSample], data: SFTDataConfig, dp: int, width_multiple: int = 1) -> Batch:
+def sft_batch(
+    samples: Sequence[SFTSample],
+    data: SFTDataConfig,
+    dp: int,
+    width_multiple: int = 1,
+    vision: VisionProcessor | None = None,
+) -> Batch:
     """One step's samples as a right-padded batch: ``input_ids``, ``attention_mask``,
     ``position_ids``, ``loss_mask`` [rows, width] (and ``segment_ids`` when packed); ``dp`` and
-    ``width_multiple`` (sequence parallelism's TP) round the rows and the width up."""
+    ``width_multiple`` (sequence parallelism's TP) round the rows and the width up. With
+    ``vision``, M-RoPE ``position_ids`` [rows, 3, width] and ``multi_modal_inputs`` (one entry a
+    row, filler rows included)."""
     if data.packing:
+        packed = pack_samples(samples, data.max_length)
+        groups = [r.members for r in packed]
         rows = [
             {
                 "input_ids": list(r.input_ids),
@@ -126,9 +165,10 @@ def sft_batch(samples: Sequence[SFTSample], data: SFTDataConfig, dp: int, width_
                 "loss_mask": list(r.loss_mask),
                 "segment_ids": list(r.segment_ids),
             }
-            for r in pack_samples(samples, data.max_length)
+            for r in packed
         ]
     else:
+        groups = [(i,) for i in range(len(samples))]
         rows = [
             {
                 "input_ids": list(s.input_ids),
@@ -138,7 +178,30 @@ def sft_batch(samples: Sequence[SFTSample], data: SFTDataConfig, dp: int, width_
             }
             for s in samples
         ]
-    return _pad_rows(rows, dp, width_multiple)
+    if vision is None:
+        return _pad_rows(rows, dp, width_multiple)
+    images = []
+    for row, members in zip(rows, groups):
+        parts = [samples[i] for i in members]
+        row["position_ids"] = torch.cat([_mrope_positions(s, vision) for s in parts], dim=-1)
+        inputs = [s.images.pixel_inputs(vision) for s in parts if s.images is not None]
+        images.append(concat_vision_inputs(inputs) or None)
+    batch = _pad_rows(rows, dp, width_multiple)
+    batch["multi_modal_inputs"] = images + [None] * (len(batch) - len(images))
+    return batch
+
+
+def _mrope_positions(sample: SFTSample, vision: VisionProcessor) -> torch.Tensor:
+    """``[3, T]`` M-RoPE positions of one sample on its own (text: three equal streams)."""
+    ids = torch.tensor(sample.input_ids)[None]
+    grid = torch.tensor(sample.images.grid_thw) if sample.images is not None else None
+    return get_rope_index(
+        ids,
+        torch.ones_like(ids),
+        grid,
+        image_token_id=vision.image_token_id,
+        spatial_merge_size=vision.spatial_merge_size,
+    )[0]
 
 
 def pair_samples(data: RMDataConfig, tokenizer, files: Any, files_key: str) -> list:
@@ -146,7 +209,7 @@ def pair_samples(data: RMDataConfig, tokenizer, files: Any, files_key: str) -> l
     from rlhf_megatron.data.preference import PreferenceDataError, tokenize_pair
 
     out = []
-    for source, row in read_rows(files, files_key):
+    for source, row, _ in read_rows(files, files_key):
         out.append(
             tokenize_pair(
                 tokenizer,

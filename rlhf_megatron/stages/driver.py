@@ -52,20 +52,26 @@ def _combine(kind: str, parts: list[dict[str, float] | None], prefix: str) -> di
 
 
 class _Stage:
-    """What differs between SFT and reward-model training on the driver: samples and batches."""
+    """What differs between SFT and reward-model training on the driver: samples and batches.
+    ``vision``: a vision-language model's processor (SFT only; None for a text-only model)."""
 
-    def __init__(self, kind: str, cfg, tokenizer, dp: int, width_multiple: int):
+    def __init__(self, kind: str, cfg, tokenizer, dp: int, width_multiple: int, vision=None):
         self.kind, self.cfg, self.dp, self.width_multiple = kind, cfg, dp, width_multiple
+        self.vision = vision
         data = cfg.data
-        read = sft_samples if kind == "sft" else pair_samples
-        self.train = read(data, tokenizer, data.train_files, "data.train_files")
-        self.val = read(data, tokenizer, data.val_files, "data.val_files") if data.val_files else []
+        self.train = self._read(tokenizer, data.train_files, "data.train_files")
+        self.val = self._read(tokenizer, data.val_files, "data.val_files") if data.val_files else []
+
+    def _read(self, tokenizer, files, files_key: str) -> list:
+        if self.kind == "sft":
+            return sft_samples(self.cfg.data, tokenizer, files, files_key, self.vision)
+        return pair_samples(self.cfg.data, tokenizer, files, files_key)
 
     def batch(self, samples):
         import torch
 
         if self.kind == "sft":
-            batch = sft_batch(samples, self.cfg.data, self.dp, self.width_multiple)
+            batch = sft_batch(samples, self.cfg.data, self.dp, self.width_multiple, self.vision)
             # tokens the loss trains (a packed segment's first token is not predicted across the boundary)
             count = float(sum(sum(s.loss_mask[1:]) for s in samples))
             batch["loss_tokens"] = torch.full((len(batch),), count)
@@ -81,6 +87,7 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from rlhf_megatron.config.loader import save_resolved_config
+    from rlhf_megatron.data.multimodal import load_vision_processor
     from rlhf_megatron.platform import is_cuda
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.trainer.checkpoint import CheckpointManager
@@ -98,7 +105,9 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
     m = typed.megatron
     dp = world // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size)
     width = m.tensor_model_parallel_size if m.sequence_parallel else 1
-    stage = _Stage(kind, typed, tokenizer, dp, width)
+    # Images go through the model's own processor, as in RL (None for a text-only model).
+    vision = load_vision_processor(os.path.expanduser(model.partial_pretrain)) if kind == "sft" else None
+    stage = _Stage(kind, typed, tokenizer, dp, width, vision)
     steps_per_epoch = max(1, len(stage.train) // data.train_batch_size)
     total = trainer.total_training_steps or steps_per_epoch * trainer.total_epochs
     run_dir = Path(trainer.default_local_dir)

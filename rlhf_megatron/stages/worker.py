@@ -7,7 +7,10 @@ placement. Two losses:
 - SFT (``kind="sft"``, an LM head, saved as ``actor``): next-token cross-entropy on the tokens
   ``loss_mask`` marks, averaged over every such token of the optimizer step's whole batch, all
   data-parallel ranks together (the driver passes the step's count as ``loss_tokens``). A packed
-  row's first token of a segment is never predicted from the segment before it.
+  row's first token of a segment is never predicted from the segment before it. A
+  vision-language model's rows bring their images (``multi_modal_inputs``) and M-RoPE
+  ``position_ids`` [B, 3, S]: ``split_micro_batches`` hands each micro-batch its rows' images and
+  the engine's forward runs the vision tower, exactly as for the RL actor.
 - Reward model (``kind="rm"``, a one-output head, saved as ``reward_model``): Bradley-Terry on
   the scores at each row's last token, rows being (chosen, rejected) pairs
   (``algorithms.bradley_terry_loss``), averaged over the step's pairs.

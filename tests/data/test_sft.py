@@ -1,16 +1,23 @@
 """SFT rows: the loss mask covers exactly what the assistant says (tool calls included), and
-truncation and packing keep samples whole and separable."""
+truncation and packing keep samples whole and separable; rows with images (the tiny Qwen2.5-VL
+processor) are the processor's tokens, never train a vision token, name what does not add up,
+and batch with their images and M-RoPE positions."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from vl_helpers import png
 
 from rlhf_megatron.data.sft import (
     SFTDataError,
+    SFTImages,
     SFTSample,
+    image_parts,
     pack_samples,
     single_turn_messages,
     tokenize_conversation,
+    tokenize_with_images,
     truncate,
 )
 from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
@@ -132,3 +139,192 @@ def test_stage_batches_pad_with_attended_untrained_filler_rows():
     for row in range(len(batch)):
         assert batch["attention_mask"][row].sum() >= 1, "every row attends to at least one token"
     assert int(batch["loss_mask"].sum()) == 3, "filler rows train nothing"
+
+
+# --- images (a vision-language model: the tiny Qwen2.5-VL processor) ---------------------------
+
+IMAGE_CHAT = [
+    {"role": "user", "content": "<image>How many squares?"},
+    {"role": "assistant", "content": "3"},
+]
+
+
+def _stored(*values, **kw) -> SFTImages:
+    return SFTImages(tuple(values), "f.parquet row 0: 'images'", **kw)
+
+
+def _vision_tokens(vision, sample: SFTSample) -> list[int]:
+    return [i for i, t in enumerate(sample.input_ids) if t == vision.image_token_id]
+
+
+def test_image_rows_are_the_processors_tokens_and_vision_tokens_are_never_trained(vision):
+    tok = vision.processor.tokenizer
+    sample = tokenize_with_images(tok, vision, IMAGE_CHAT, _stored(png(84, 56)), source="row 0")
+    assert sample.images.grid_thw == ((1, 4, 6),)  # 56 x 84 pixels: 4 x 6 patches, 2 x 2 merged
+    pads = _vision_tokens(vision, sample)
+    assert len(pads) == 6 and not any(sample.loss_mask[i] for i in pads)
+    assert _trained_text(tok, sample) == "3<|im_end|>\n", "the reply and its end-of-turn, nothing else"
+    parts, placed = image_parts(IMAGE_CHAT, "row 0")
+    assert placed == 1
+    text = vision.processor.apply_chat_template(parts, tokenize=False)
+    encoded = vision.processor(images=sample.images.prepare(), text=[text], add_special_tokens=False)
+    assert list(sample.input_ids) == encoded["input_ids"][0], "exactly what the model's processor gives"
+
+
+def test_qwen_content_parts_place_images_as_placeholders_do(vision):
+    """Qwen's content-list form (with the null fields Arrow adds to struct parts) is the same row."""
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "text": None},
+                {"type": "text", "text": "How many squares?", "image": None},
+            ],
+        },
+        {"role": "assistant", "content": "3"},
+    ]
+    tok = vision.processor.tokenizer
+    a = tokenize_with_images(tok, vision, IMAGE_CHAT, _stored(png(56, 56)), source="row 0")
+    b = tokenize_with_images(tok, vision, parts, _stored(png(56, 56)), source="row 0")
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    "messages, images, message",
+    [
+        (
+            IMAGE_CHAT,
+            2,
+            r"f.parquet row 0: 'images' holds 2 image\(s\), but the messages place 1; put one <image>",
+        ),
+        (IMAGE_CHAT, 0, r"'images' holds 0 image\(s\), but the messages place 1"),
+        (
+            [{"role": "user", "content": "Draw."}, {"role": "assistant", "content": "<image>"}],
+            1,
+            r"row 0: message 1 \(assistant\) places 1 image\(s\); images go in user messages",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "video"}]}, {"role": "assistant", "content": "x"}],
+            1,
+            "row 0: message 0 content part 0 is {'type': 'video'}; expected",
+        ),
+    ],
+)
+def test_image_rows_that_do_not_add_up_are_named(vision, messages, images, message):
+    with pytest.raises(SFTDataError, match=message):
+        tokenize_with_images(
+            vision.processor.tokenizer, vision, messages, _stored(*[png(56, 56)] * images), source="row 0"
+        )
+
+
+def test_an_undecodable_image_names_its_row_key_and_index(vision):
+    with pytest.raises(
+        SFTDataError, match=r"f.parquet row 0: 'images'\[0\]: .*not a readable image.*Fix or drop"
+    ):
+        tokenize_with_images(
+            vision.processor.tokenizer, vision, IMAGE_CHAT, _stored(b"not a png"), source="row 0"
+        )
+
+
+def test_a_sample_with_images_is_never_truncated(vision):
+    sample = tokenize_with_images(vision.processor.tokenizer, vision, IMAGE_CHAT, _stored(png(56, 56)))
+    for mode in ("error", "left", "right"):
+        with pytest.raises(SFTDataError, match="row 5: .* a sample with images is not truncated"):
+            truncate(sample, len(sample) - 1, mode, "row 5")
+    assert truncate(sample, len(sample), "right", "row 5") is sample
+
+
+def _write_rows(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_stage_rows_read_images_from_the_image_key_and_text_models_refuse_them(vision, tmp_path):
+    from rlhf_megatron.config.schema_stages import SFTDataConfig
+    from rlhf_megatron.stages.data import sft_samples
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png(56, 56))
+    rows = [
+        {"messages": IMAGE_CHAT, "pics": [{"bytes": None, "path": "img/a.png"}]},  # relative to the file
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "pics": []},
+    ]
+    path = _write_rows(tmp_path / "train.parquet", rows)
+    data = SFTDataConfig(image_key="pics", min_pixels=None, max_pixels=None, max_length=128)
+    data.multiturn.enable = True
+    with_images, text = sft_samples(data, vision.processor.tokenizer, path, "data.train_files", vision)
+    assert with_images.images.grid_thw == ((1, 4, 4),) and text.images is None
+    with pytest.raises(
+        SFTDataError,
+        match=r"data.train_files: .*train.parquet row 0: 'pics' \(data.image_key\) holds 1 image\(s\), but the model "
+        "is text-only",
+    ):
+        sft_samples(data, vision.processor.tokenizer, path, "data.train_files", None)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_image_batches_carry_each_rows_images_and_restarting_mrope_positions(vision, packing):
+    """Packed or not, a row's ``multi_modal_inputs`` are its samples' images in order (what the
+    processor gives them), its positions are each sample's own M-RoPE positions, and micro-batches
+    of one row keep that row's images."""
+    from rlhf_megatron.config.schema_stages import SFTDataConfig
+    from rlhf_megatron.data.rope_index import get_rope_index
+    from rlhf_megatron.stages.data import sft_batch
+    from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, split_micro_batches
+
+    tok = vision.processor.tokenizer
+    two = [
+        {"role": "user", "content": "<image>and"},
+        {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "<image>?"},
+        {"role": "assistant", "content": "two"},
+    ]
+    samples = [
+        tokenize_with_images(tok, vision, IMAGE_CHAT, _stored(png(84, 56))),
+        tokenize_with_images(
+            tok,
+            vision,
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+            _stored(),
+        ),
+        tokenize_with_images(tok, vision, two, _stored(png(56, 56), png(56, 112, (0, 90, 200)))),
+    ]
+    assert [len(_vision_tokens(vision, s)) for s in samples] == [6, 0, 12]
+    assert sum(samples[2].loss_mask) == sum(len(tok(t + "<|im_end|>\n")["input_ids"]) for t in ("one", "two"))
+    length = len(samples[0]) + len(samples[1])  # the first two share a packed row
+    batch = sft_batch(samples, SFTDataConfig(max_length=length, packing=packing), dp=4, vision=vision)
+    rows = [(2,), (0, 1)] if packing else [(0,), (1,), (2,)]
+    assert len(batch) == 4 and batch["position_ids"].shape[:2] == (4, 3)
+    images = batch["multi_modal_inputs"]
+    assert images[len(rows) :].tolist() == [None] * (4 - len(rows)), "filler rows carry no images"
+    for r, members in enumerate(rows):
+        start = 0
+        for i in members:  # each sample's positions are its own, from 0
+            s = samples[i]
+            ids = torch.tensor(s.input_ids)[None]
+            grid = torch.tensor(s.images.grid_thw) if s.images else None
+            alone = get_rope_index(
+                ids, torch.ones_like(ids), grid, image_token_id=vision.image_token_id, spatial_merge_size=2
+            )[0]
+            assert torch.equal(batch["position_ids"][r, :, start : start + len(s)], alone)
+            start += len(s)
+        with_images = [samples[i] for i in members if samples[i].images]
+        if not with_images:
+            assert images[r] is None
+            continue
+        expected = vision.processor.image_processor(
+            images=[im for s in with_images for im in s.images.prepare()], return_tensors="pt"
+        )
+        assert torch.equal(images[r]["pixel_values"], expected["pixel_values"])
+        assert torch.equal(images[r]["image_grid_thw"], expected["image_grid_thw"])
+    vision_columns = batch["input_ids"] == vision.image_token_id
+    assert int(vision_columns.sum()) == 18 and not batch["loss_mask"][vision_columns].any()
+    for micro in split_micro_batches(batch, (*MODEL_KEYS, "loss_mask"), 1):
+        row = int(micro["_rows"][0])
+        grid = images[row]["image_grid_thw"] if images[row] is not None else None
+        assert (
+            torch.equal(micro["image_grid_thw"], grid) if grid is not None else "image_grid_thw" not in micro
+        )

@@ -2,7 +2,9 @@
 (2 gloo processes under Ray), their checkpoints resuming, exporting, and feeding an RL run.
 
 All on the shared tiny random Llama and the arithmetic task: SFT transcripts from
-``tools/data/arith_sft.py`` (chat ``messages``), preference pairs from ``tools/data/arith_prefs.py``.
+``tools/data/arith_sft.py`` (chat ``messages``), preference pairs from ``tools/data/arith_prefs.py``;
+and image SFT of a tiny random Qwen2.5-VL (``tools/data/shapes_vl.py --sft``), checked against
+transformers.
 """
 
 from __future__ import annotations
@@ -176,3 +178,66 @@ def test_reward_model_then_rl_from_both_checkpoints(sft_run, tiny_run_inputs, st
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in rl] == [1] and math.isfinite(rl[0]["reward/rm_score_mean"])
     assert math.isfinite(rl[0]["critic/vf_loss"]), "the critic, initialised from the reward model, trained"
+
+
+def test_image_sft_trains_qwen2_5_vl_and_matches_transformers(tmp_path):
+    """SFT of a tiny random Qwen2.5-VL on image transcripts (``tools/data/shapes_vl.py --sft``):
+    two samples with their images packed in each row, one row a data-parallel rank. The first
+    step's loss (the weights before any update) equals the masked cross-entropy transformers
+    computes on the same rows from its own processor and model, so tokens, vision tokens, M-RoPE
+    positions, the vision tower and the loss mask all agree; the second step's is lower."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from rlhf_megatron.data.sources import load_source
+    from rlhf_megatron.models.tiny import make_tiny_qwen2_5_vl
+
+    model = make_tiny_qwen2_5_vl(tmp_path / "model")
+    data = tmp_path / "shapes"
+    tool = [sys.executable, str(ROOT / "tools/data/shapes_vl.py"), "--output-dir", str(data), "--sft"]
+    sizes = ["--train-size", "4", "--test-size", "2", "--size", "56", "--max-count", "4"]
+    subprocess.run([*tool, *sizes], check=True, capture_output=True)
+    run_dir = tmp_path / "run"
+    proc, records = _stage(
+        "sft",
+        [
+            *_common(str(model), run_dir, 2),
+            f"data.train_files={data}@train",
+            f"data.val_files={data}@test",
+            "data.multiturn.enable=true",
+            "data.max_length=192",  # a transcript is ~85 tokens: two share a packed row
+            "data.min_pixels=3136",  # 56 x 56 pixels: 4 x 4 patches, 4 vision tokens
+            "data.max_pixels=3136",
+            "data.train_batch_size=4",
+            "data.micro_batch_size_per_gpu=1",
+            "data.shuffle=false",
+        ],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[1]["train/loss"] < records[0]["train/loss"], "the loss falls"
+    assert math.isfinite(records[-1]["val/loss"])
+
+    processor = AutoProcessor.from_pretrained(model)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
+    nll, tokens = 0.0, 0
+    for row in load_source(f"{data}@train")[0].table.to_pylist():
+        image = Image.open(io.BytesIO(row["images"][0]["bytes"])).convert("RGB")
+        user, reply = row["messages"]
+        question = user["content"].removeprefix("<image>")
+        parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        prompt = processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
+        n_prompt = len(processor(images=[image], text=[prompt])["input_ids"][0])
+        full = processor.apply_chat_template([*parts, reply], tokenize=False)
+        encoded = processor(images=[image], text=[full], return_tensors="pt")
+        with torch.no_grad():
+            logits = hf(**encoded).logits.float()[0]
+        ids = encoded["input_ids"][0]
+        log_probs = torch.log_softmax(logits[:-1], -1).gather(-1, ids[1:, None])[:, 0]
+        nll -= float(log_probs[n_prompt - 1 :].sum())  # the reply's tokens, after the assistant header
+        tokens += len(ids) - n_prompt
+    assert records[0]["train/tokens"] == tokens
+    assert records[0]["train/loss"] == pytest.approx(nll / tokens, rel=1e-5)

@@ -10,6 +10,10 @@ train on it with ``data.train_files=data/shapes_vl@train data.val_files=data/sha
 data.prompt_key=problem reward.score_fn=math`` and a format prompt asking for ``\\boxed{}``.
 Each image is ``--size`` pixels square with 1 to ``--max-count`` non-overlapping coloured squares.
 Files are written atomically; the same seed gives the same files.
+
+``--sft`` also writes a ``messages`` column for image SFT (``python -m rlhf_megatron.sft
+data.multiturn.enable=true``): the problem as a user message (its ``<image>`` placeholder marks
+where the image goes) and the answer as the assistant's reply, ``"There are 3 squares."``.
 """
 
 from __future__ import annotations
@@ -42,12 +46,16 @@ def draw_squares(rng: random.Random, size: int, count: int) -> bytes:
     return buffer.getvalue()
 
 
-def make_rows(n: int, rng: random.Random, size: int, max_count: int) -> list[dict]:
+def make_rows(n: int, rng: random.Random, size: int, max_count: int, sft: bool = False) -> list[dict]:
     rows = []
     for _ in range(n):
         count = rng.randint(1, max_count)
         image = {"bytes": draw_squares(rng, size, count), "path": None}
-        rows.append({"problem": PROBLEM, "answer": str(count), "images": [image]})
+        row = {"problem": PROBLEM, "answer": str(count), "images": [image]}
+        if sft:
+            reply = f"There {'is' if count == 1 else 'are'} {count} square{'' if count == 1 else 's'}."
+            row["messages"] = [{"role": "user", "content": PROBLEM}, {"role": "assistant", "content": reply}]
+        rows.append(row)
     return rows
 
 
@@ -61,6 +69,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--size", type=int, default=112, help="image side in pixels")
     parser.add_argument("--max-count", type=int, default=5, help="most squares in one image (at most 16)")
+    parser.add_argument("--sft", action="store_true", help="also write SFT transcripts (a messages column)")
     args = parser.parse_args(argv)
     if not 1 <= args.max_count <= 16:
         parser.error(f"--max-count must be in 1..16 (a 4 x 4 grid), got {args.max_count}")
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     rng = random.Random(args.seed)
     paths = []
     for split, n in (("train", args.train_size), ("test", args.test_size)):
-        rows = make_rows(n, rng, args.size, args.max_count)
+        rows = make_rows(n, rng, args.size, args.max_count, args.sft)
         path = os.path.join(args.output_dir, "data", f"{split}-00000-of-00001.parquet")
         paths.append(write_parquet_atomic(rows, path))
         print(f"wrote {len(rows)} rows to {path}")
