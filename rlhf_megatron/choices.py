@@ -28,6 +28,7 @@ __all__ = [
     "Device",
     "Dtype",
     "EngineMode",
+    "FilterMetric",
     "KLCtrlType",
     "LoadFormat",
     "LoraSync",
@@ -37,6 +38,7 @@ __all__ = [
     "RecomputeMethod",
     "RolloutIsLevel",
     "RolloutMode",
+    "RewardManagerName",
     "RolloutName",
     "RouterReplayMode",
     "ToolCallFormat",
@@ -174,7 +176,18 @@ RolloutIsLevel = _choice(
     "``algorithm.rollout_correction.rollout_is``: the importance weights' granularity (null: off).",
 )
 
+FilterMetric = _choice(
+    "FilterMetric",
+    ("acc", "score", "seq_reward", "seq_final_reward"),
+    "``algorithm.filter_groups.metric``: the per-response value whose spread within a prompt's "
+    "group decides whether the group is kept (verl's DAPO names).",
+)
 # ----------------------------------------------------------------------------- reward, trainer
+RewardManagerName = _choice(
+    "RewardManagerName",
+    ("naive", "batch", "dapo"),
+    "``reward_model.reward_manager``: verl's reward managers (dapo adds the overlong buffer).",
+)
 OnError = _choice(
     "OnError",
     ("raise", "zero"),

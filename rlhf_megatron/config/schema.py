@@ -26,6 +26,7 @@ from typing import Any
 
 from rlhf_megatron.choices import (
     Device,
+    FilterMetric,
     KLCtrlType,
     NanPolicy,
     OnError,
@@ -148,6 +149,11 @@ class DataConfig:
     train_batch_size: int = 1024
     """Prompts per training step (each gets ``rollout.n`` responses)."""
 
+    gen_batch_size: int | None = None
+    """Prompts per generation round under dynamic sampling (``algorithm.filter_groups``; verl's
+    DAPO recipe). Null: ``train_batch_size``. A step generates rounds of this many prompts until
+    ``train_batch_size`` prompts with signal are kept. Unused without dynamic sampling."""
+
     val_batch_size: int | None = None
     """Prompts per validation batch; null sends the whole validation set at once."""
 
@@ -194,7 +200,7 @@ class DataConfig:
                 "max_prompt_length": self.max_prompt_length,
                 "max_response_length": self.max_response_length,
             },
-            {"val_batch_size": self.val_batch_size},
+            {"val_batch_size": self.val_batch_size, "gen_batch_size": self.gen_batch_size},
         )
 
 
@@ -296,6 +302,39 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups``: DAPO's dynamic sampling. A prompt whose responses all score
+    alike (zero spread of ``metric`` over its group) gives a group-relative estimator no signal;
+    such groups are dropped and generation goes on, ``data.gen_batch_size`` prompts a round, until
+    ``data.train_batch_size`` prompts are kept (the surplus of the last round is dropped too)."""
+
+    enable: bool = False
+    """Drop zero-spread groups and generate more rounds (needs ``rollout.n`` >= 2)."""
+
+    metric: FilterMetric | None = None
+    """What spreads: acc or score (the reward function's ``acc``/``score`` value, or its plain
+    score when it returns a number), seq_reward (the response's summed token scores: reward
+    function, reward model, tools and the overlong penalty) or seq_final_reward (the same after
+    the in-reward KL penalty; equal to seq_reward without ``use_kl_in_reward``). Required when
+    enabled."""
+
+    max_num_gen_batches: int = 0
+    """Most generation rounds per step; 0: no limit. When the limit is reached with too few
+    prompts kept, the run stops with an error naming the step (verl's behaviour): the data are
+    too easy or too hard for the policy, or the limit too low."""
+
+    def validate(self, key: str = "algorithm.filter_groups") -> list[str]:
+        """A metric when enabled; a limit >= 0."""
+        out = []
+        if self.enable and self.metric is None:
+            allowed = ", ".join(FilterMetric.values())
+            out.append(f"{key}.metric is required when {key}.enable=true: one of {allowed} (DAPO uses acc)")
+        if self.max_num_gen_batches < 0:
+            out.append(f"{key}.max_num_gen_batches={self.max_num_gen_batches} must be >= 0 (0: no limit)")
+        return out
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm``: advantage estimation, the in-reward KL penalty and rollout correction."""
 
@@ -324,12 +363,25 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights rollout -> actor policy (off by default)."""
 
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling (off by default)."""
+
     def validate(self, key: str = "algorithm") -> list[str]:
         """Registered estimator names, and the rollout correction's own rules."""
         out = name_problem(
             f"{key}.adv_estimator", self.adv_estimator, "adv_estimator", "a registered estimator", sort=True
         )
         out += name_problem(f"{key}.kl_penalty", self.kl_penalty, "kl_penalty", "a KL estimator")
+        out += self.filter_groups.validate(f"{key}.filter_groups")
+        if (
+            self.filter_groups.enable
+            and self.filter_groups.metric == "seq_final_reward"
+            and self.use_kl_in_reward
+        ):
+            out.append(
+                f"{key}.filter_groups.metric=seq_final_reward with {key}.use_kl_in_reward=true: the groups are "
+                "filtered before the KL pass that the penalty needs; use seq_reward (the reward before the penalty)"
+            )
         return out + self.rollout_correction.validate(f"{key}.rollout_correction")
 
 

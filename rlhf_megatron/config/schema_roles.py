@@ -28,6 +28,7 @@ from rlhf_megatron.choices import (
     EngineMode,
     LoadFormat,
     LoraSync,
+    RewardManagerName,
     RolloutName,
     RouterReplayMode,
     ToolCallFormat,
@@ -56,6 +57,7 @@ __all__ = [
     "ModelConfig",
     "MultiTurnConfig",
     "OptimConfig",
+    "OverlongBufferConfig",
     "PolicyLossConfig",
     "RefConfig",
     "RewardModelConfig",
@@ -633,6 +635,39 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """``reward_model.overlong_buffer``: DAPO's soft overlong punishment (with
+    ``reward_manager=dapo``). A response longer than ``max_response_length - len`` tokens loses
+    ``penalty_factor`` times the fraction of the buffer it used: ``min(0, -(length - (max_response_length
+    - len)) / len * penalty_factor)``, added to its score; at the limit it loses ``penalty_factor``."""
+
+    enable: bool = False
+    """Apply the penalty."""
+
+    len: int = 0
+    """Buffer width in tokens, the last ``len`` of ``data.max_response_length`` (DAPO: 4096 of 20480)."""
+
+    penalty_factor: float = 0.0
+    """Penalty at the length limit (DAPO: 1.0)."""
+
+    log: bool = False
+    """Log the penalty (``reward/overlong_reward/mean``) and the share of penalised responses
+    (``reward/overlong/mean``)."""
+
+    def validate(self, key: str = "reward_model.overlong_buffer") -> list[str]:
+        """Enabled: len >= 1 (``check_dapo`` fits it inside ``data.max_response_length``) and
+        penalty_factor >= 0."""
+        if not self.enable:
+            return []
+        out = []
+        if self.len < 1:
+            out.append(f"{key}.len={self.len} must be >= 1 when {key}.enable=true (DAPO: 4096)")
+        if self.penalty_factor < 0:
+            out.append(f"{key}.penalty_factor={self.penalty_factor} must be >= 0 (a penalty, subtracted)")
+        return out
+
+
+@dataclass
 class RewardModelConfig:
     """``reward_model``: an optional model-based reward, scored after generation."""
 
@@ -663,12 +698,16 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: int = "${critic.forward_max_token_len_per_gpu}"  # type: ignore[assignment]
     """Token budget of one reward-model micro-batch when dynamic batching is on."""
 
-    reward_manager: str = "naive"
-    """Reward manager that combines scores into token-level rewards (verl's names)."""
+    reward_manager: RewardManagerName = RewardManagerName("naive")
+    """How scores become token rewards (verl's names): naive and batch score each response and
+    put its score on its last token; dapo does the same and applies ``overlong_buffer``."""
+
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping (needs ``reward_manager=dapo``, as in verl)."""
 
     def validate(self, key: str = "reward_model", built: bool = True) -> list[str]:
-        """Micro-batch sizes >= 1 (or null); strategy and layout when the run ``built`` the reward
-        model (``enable``)."""
+        """Micro-batch sizes >= 1 (or null), the overlong buffer's own rules; strategy and layout
+        when the run ``built`` the reward model (``enable``)."""
         out = count_problems(
             key,
             {},
@@ -677,6 +716,7 @@ class RewardModelConfig:
                 "micro_batch_size_per_gpu": self.micro_batch_size_per_gpu,
             },
         )
+        out += self.overlong_buffer.validate(f"{key}.overlong_buffer")
         if built:
             out = strategy_problem(key, self.strategy) + out + self.megatron.validate(f"{key}.megatron")
         return out

@@ -229,8 +229,35 @@ def check_group_estimator_n(ctx: ValidationContext) -> list[str]:
     return []
 
 
+def check_dapo(ctx: ValidationContext) -> list[str]:
+    """Dynamic sampling needs groups (``rollout.n`` >= 2); the overlong buffer needs verl's dapo
+    reward manager and fits inside ``data.max_response_length``."""
+    run, out = ctx.run, []
+    n = run.actor_rollout_ref.rollout.n
+    if run.algorithm.filter_groups.enable and n < 2:
+        out.append(
+            f"algorithm.filter_groups.enable=true drops prompts whose responses all score alike, but "
+            f"{ROLLOUT}.n={n} gives every prompt one response (every group would be dropped); set {ROLLOUT}.n >= 2"
+        )
+    rm = run.reward_model
+    buffer = rm.overlong_buffer
+    if buffer.enable and rm.reward_manager != "dapo":
+        out.append(
+            f"reward_model.overlong_buffer.enable=true is applied by the dapo reward manager, but "
+            f"reward_model.reward_manager={rm.reward_manager}; set reward_model.reward_manager=dapo (as verl's "
+            "DAPO recipe does)"
+        )
+    if buffer.enable and buffer.len > run.data.max_response_length:
+        out.append(
+            f"reward_model.overlong_buffer.len={buffer.len} is longer than data.max_response_length="
+            f"{run.data.max_response_length}: the buffer is the last len tokens of the response limit; lower it"
+        )
+    return out
+
+
 # Cross-section rules that hold whatever the sizes are.
 ALWAYS_RULES: tuple[Rule, ...] = (
+    check_dapo,
     check_rollout_correction_engine,
     check_rollout_placement,
     check_multi_turn,

@@ -15,6 +15,9 @@ scorers return ``{"overall", "format", "accuracy"}`` without ``"score"``: ``over
 the score, and the batch means of those three are logged as ``reward/overall``,
 ``reward/format`` and ``reward/accuracy`` (EasyR1's metric names).
 
+DAPO's overlong shaping (``overlong``: ``reward_model.overlong_buffer`` with
+``reward_manager=dapo``): ``overlong_penalty`` of each response's length is added to its score.
+
 Failure policy (``on_error``): 'raise' turns a scorer exception, a NaN/inf score or a timeout
 into an error naming the function, row and data source; 'zero' scores such rows 0.0 and counts
 them in ``reward/errors`` and ``reward/timeouts``. Timeouts need ``num_workers > 0``: a
@@ -46,10 +49,36 @@ from rlhf_megatron.rewards.registry import default_compute_score
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardFn", "RewardFunctionError", "RewardManager", "RewardResult", "response_lengths"]
+__all__ = [
+    "OverlongBuffer",
+    "RewardFn",
+    "RewardFunctionError",
+    "RewardManager",
+    "RewardResult",
+    "overlong_penalty",
+    "response_lengths",
+]
 
 # EasyR1's score parts: logged as batch means under reward/<key> when a scorer returns them.
 EASYR1_SCORE_KEYS = ("overall", "format", "accuracy")
+
+
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """DAPO's soft overlong punishment: the last ``length`` of ``max_response_length`` tokens
+    cost up to ``penalty_factor``; ``log`` adds its metrics."""
+
+    length: int
+    penalty_factor: float
+    max_response_length: int
+    log: bool = False
+
+
+def overlong_penalty(response_length: int, buffer: OverlongBuffer) -> float:
+    """``min(0, -(length - (max_response_length - buffer)) / buffer * penalty_factor)``: 0 up to the
+    buffer's start, falling linearly to ``-penalty_factor`` at ``max_response_length`` (verl's DAPO)."""
+    expected = buffer.max_response_length - buffer.length
+    return min(-(response_length - expected) / buffer.length * buffer.penalty_factor, 0.0)
 
 
 @dataclass
@@ -112,6 +141,7 @@ class RewardManager(RewardFn):
         on_error: str = "raise",
         timeout_s: float | None = None,
         num_workers: int = 0,
+        overlong: OverlongBuffer | None = None,
     ):
         if on_error not in OnError.values():
             allowed = " or ".join(repr(v) for v in OnError.values())
@@ -128,6 +158,7 @@ class RewardManager(RewardFn):
         self.reward_fn_key = reward_fn_key
         self.on_error = on_error
         self.timeout_s = timeout_s
+        self.overlong = overlong
         self._pool: ScoringPool | None = None
         if num_workers > 0:
             try:
@@ -246,6 +277,7 @@ class RewardManager(RewardFn):
         per_source: dict[str, list[float]] = defaultdict(list)
         extras_per_source: dict[tuple[str, str], list[float]] = defaultdict(list)
         errors = timeouts = 0
+        penalties: list[float] = []
         for row, (kwargs, outcome) in enumerate(zip(inputs, outcomes)):
             source = str(kwargs["data_source"])
             try:
@@ -257,6 +289,12 @@ class RewardManager(RewardFn):
                 score, extras = 0.0, {}
                 timeouts += outcome.status == "timeout"
                 errors += outcome.status != "timeout"
+            if self.overlong is not None:
+                penalty = overlong_penalty(int(lengths[row]), self.overlong)
+                score += penalty
+                penalties.append(penalty)
+                if self.overlong.log:
+                    extras = {**extras, "overlong_reward": penalty, "overlong": penalty < 0}
             # An empty response has no last token; position 0 keeps the score in the row sum
             # (outcome-based estimators) while the response mask hides it from token-level ones.
             scores[row, max(int(lengths[row]) - 1, 0)] = score
@@ -269,6 +307,9 @@ class RewardManager(RewardFn):
                     extras_per_source[(source, key)].append(float(value))
 
         metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+        if penalties and self.overlong.log:
+            metrics["reward/overlong_reward/mean"] = float(np.mean(penalties))
+            metrics["reward/overlong/mean"] = float(np.mean([p < 0 for p in penalties]))
         if "tool_rewards" in batch.tensor_keys:  # a multi-turn rollout's tools and interactions
             tool = batch["tool_rewards"].float()
             positions = (lengths - 1).clamp(min=0)

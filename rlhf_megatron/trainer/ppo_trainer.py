@@ -41,6 +41,7 @@ from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
 from rlhf_megatron.rollout.multi_turn import AGENT_COLUMNS
 from rlhf_megatron.trainer.checkpoint import CheckpointManager
+from rlhf_megatron.trainer.dynamic_sampling import DynamicSampler
 from rlhf_megatron.trainer.metrics import (
     StepTimer,
     compute_agent_metrics,
@@ -266,6 +267,8 @@ class PPOTrainer:
             timer.record("gen", gen_start, gen_end, role="rollout")
         elif self.rollout is None:  # a batch without the clock (restored from an older checkpoint)
             timer.record("gen", wall, wall + queue_metrics["timing_s/wait_gen"], role="rollout")
+        if cfg.algorithm.filter_groups.enable:  # DAPO: keep the groups with signal, generate more
+            batch = self._dynamic_sampling(step, batch, timer, metrics)
         if cfg.algorithm.adv_estimator == "remax":
             with timer("gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(batch, step)
@@ -283,6 +286,24 @@ class PPOTrainer:
             metrics.update({f"balance/{k}": v for k, v in balance.items()})
         return batch
 
+    def _dynamic_sampling(self, step: int, batch: Batch, timer: StepTimer, metrics: dict[str, Any]) -> Batch:
+        """``algorithm.filter_groups``: score each round as it comes, and more rounds from the
+        scheduler while too few prompts have responses that differ."""
+        groups = self.cfg.algorithm.filter_groups
+        sampler = DynamicSampler(groups.metric, self.cfg.data.train_batch_size, groups.max_num_gen_batches)
+
+        def score(rows: Batch):
+            with timer("reward"):
+                return self.score_rows(rows, self.reward_fn)
+
+        def more(round_: int) -> Batch:
+            with timer("gen_more", role="rollout"):
+                return self.rollouts.generate_round(step, round_)
+
+        batch, sampled = sampler.collect(step, batch, score, more)
+        metrics.update(sampled)
+        return batch
+
     def _score_and_log_probs(
         self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
     ) -> Batch:
@@ -292,8 +313,9 @@ class PPOTrainer:
         order), so scoring overlaps them. With a reward model, scoring runs a model too: it goes
         first, as the passes' memory plan assumes."""
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode  # pi_old = pi_rollout: no actor pass
+        scored = "token_level_scores" in batch.tensor_keys  # by dynamic sampling, round by round
         early = self.reward_model is None
-        if not early:
+        if not early and not scored:
             scores = self._timed_score(batch, metrics, timer)
         passes = []
         for name, key, method, wanted in (
@@ -304,9 +326,10 @@ class PPOTrainer:
                 timer.record(name, *batch.meta_info[f"{key}_span"])
             if wanted and key not in batch.tensor_keys:
                 passes.append((name, time.time(), self.actor.submit(method, batch)))
-        if early:
+        if early and not scored:
             scores = self._timed_score(batch, metrics, timer)
-        batch["token_level_scores"] = scores
+        if not scored:
+            batch["token_level_scores"] = scores
         if bypass:
             batch["old_log_probs"] = batch["rollout_log_probs"].clone()
         free = 0.0  # when the actor's previous pass ended: the workers start a pass no earlier
@@ -373,13 +396,18 @@ class PPOTrainer:
 
     def score(self, batch: Batch, reward_fn) -> tuple[torch.Tensor, dict[str, float]]:
         """Rule/function rewards, plus reward-model scores when a reward model is configured."""
+        scores, metrics, _ = self.score_rows(batch, reward_fn)
+        return scores, metrics
+
+    def score_rows(self, batch: Batch, reward_fn) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
+        """``score`` plus the reward function's per-row extras (``RewardResult.extra``)."""
         result = reward_fn(batch)
         scores, metrics = result.token_level_scores, dict(result.metrics)
         if self.reward_model is not None:
             rm = self.reward_model.call("compute_rm_score", batch)["rm_scores"]
             scores = scores + rm
             metrics["reward/rm_score_mean"] = float(rm.sum(-1).mean())
-        return scores, metrics
+        return scores, metrics, dict(result.extra)
 
     def compute_advantages(self, batch: Batch, metrics: dict[str, Any]) -> Batch:
         algo = self.cfg.algorithm

@@ -252,6 +252,17 @@ class RolloutScheduler:
             "timing_s/wait_gen": time.perf_counter() - start,
         }
 
+    def generate_round(self, step: int, round_: int) -> Batch:
+        """Dynamic sampling: one more generation for ``step`` (its round ``round_`` >= 1), from the
+        loader's next prompts and the weights the rollout holds now, waited for here. Generations
+        queued ahead (one-step-off) run first, as the rollout runs calls in order; the rule above
+        still holds, since the rollout's version only grows. Seeds and uids differ per round."""
+        prompts = next(self.prompts)
+        prompts["uid"] = np.array([f"{step}.{round_}-{i}" for i in range(len(prompts))], dtype=object)
+        gen = _Generation(step, prompts, seed=self.seed_of(step) + 104_729 * round_)
+        gen.pending = self.rollout.submit_generate(prompts, gen.seed, log_probs=self.log_probs)
+        return self._finish(gen)
+
     def draw_ahead(self, step: int) -> None:
         """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
         actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation

@@ -94,14 +94,18 @@ def _loaders(run: RunConfig, tokenizer):
     )
     val = RLHFDataset(data.val_files, tokenizer, data, vision, limit_images=limit, files_key="data.val_files")
     _check_agent_rows(run, train, val)
-    if len(train) < data.train_batch_size:
+    # Dynamic sampling draws rounds of data.gen_batch_size prompts (verl's DAPO loader does too).
+    size, key = data.train_batch_size, "train_batch_size"
+    if run.algorithm.filter_groups.enable and data.gen_batch_size is not None:
+        size, key = data.gen_batch_size, "gen_batch_size"
+    if len(train) < size:
         raise ValueError(
-            f"data.train_files has {len(train)} usable rows, fewer than data.train_batch_size="
-            f"{data.train_batch_size}; add data or lower the batch size"
+            f"data.train_files has {len(train)} usable rows, fewer than data.{key}={size}; "
+            "add data or lower the batch size"
         )
     seed = data.seed or run.trainer.seed
     train_loader = StatefulDataLoader(
-        train, data.train_batch_size, shuffle=data.shuffle, seed=seed, drop_last=True, collate_fn=collate_fn
+        train, size, shuffle=data.shuffle, seed=seed, drop_last=True, collate_fn=collate_fn
     )
     val_batch = min(data.val_batch_size or len(val), len(val))
     val_loader = StatefulDataLoader(
@@ -143,6 +147,7 @@ def _check_agent_rows(run: RunConfig, *datasets) -> None:
 
 def _reward_fns(run: RunConfig, tokenizer):
     from rlhf_megatron.rewards import RewardManager, resolve_compute_score
+    from rlhf_megatron.rewards.manager import OverlongBuffer
 
     custom = run.custom_reward_function
     score = resolve_compute_score(custom.path, custom.name, score_fn=run.reward.score_fn)
@@ -154,6 +159,11 @@ def _reward_fns(run: RunConfig, tokenizer):
     )
     if run.reward.num_workers > 0:
         common["timeout_s"] = run.reward.timeout_s
+    buffer = run.reward_model.overlong_buffer
+    if buffer.enable:  # validation made sure the dapo reward manager is chosen
+        common["overlong"] = OverlongBuffer(
+            buffer.len, buffer.penalty_factor, run.data.max_response_length, buffer.log
+        )
     return RewardManager(tokenizer, num_examine=0, **common), RewardManager(
         tokenizer, num_examine=1, **common
     )

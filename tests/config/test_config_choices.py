@@ -50,6 +50,11 @@ ENUM_CASES = {
         "is not one of: disabled, R2, R3, auto",
     ),
     choices.KLCtrlType: ("algorithm.kl_ctrl.type", "is not one of: fixed, adaptive"),
+    choices.FilterMetric: (
+        "algorithm.filter_groups.metric",
+        "is not one of: null, acc, score, seq_reward, seq_final_reward",
+    ),
+    choices.RewardManagerName: ("reward_model.reward_manager", "is not one of: naive, batch, dapo"),
     choices.RolloutIsLevel: (
         "algorithm.rollout_correction.rollout_is",
         "is not one of: null, token, sequence",

@@ -62,11 +62,38 @@ SECTION_CASES = {
         ],
     ),
     "algorithm": (
-        ["algorithm.adv_estimator=grpoo", "algorithm.kl_penalty=k9"],
+        [
+            "algorithm.adv_estimator=grpoo",
+            "algorithm.kl_penalty=k9",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_final_reward",
+            "algorithm.use_kl_in_reward=true",
+        ],
         [
             "algorithm.adv_estimator='grpoo' is not a registered estimator; known: gae, grpo, grpo_passk, "
             "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
             "algorithm.kl_penalty='k9' is not a KL estimator; known: kl, k1",
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the groups "
+            "are filtered before the KL pass",
+        ],
+    ),
+    "algorithm.filter_groups": (
+        ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=-1"],
+        [
+            "algorithm.filter_groups.metric is required when algorithm.filter_groups.enable=true: one of acc, "
+            "score, seq_reward, seq_final_reward (DAPO uses acc)",
+            "algorithm.filter_groups.max_num_gen_batches=-1 must be >= 0 (0: no limit)",
+        ],
+    ),
+    "reward_model.overlong_buffer": (
+        [
+            "reward_model.reward_manager=dapo",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.penalty_factor=-1",
+        ],
+        [
+            "reward_model.overlong_buffer.len=0 must be >= 1 when reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.penalty_factor=-1.0 must be >= 0",
         ],
     ),
     RC: (
@@ -185,6 +212,21 @@ CASES = {
         [f"{RC}.bypass_mode=true", f"{A}.router_replay.mode=R2"],
         [
             "algorithm.rollout_correction.bypass_mode=true skips the old-log-prob pass, where router_replay.mode=R2"
+        ],
+    ),
+    V.check_dapo: (
+        [
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=acc",
+            f"{R}.n=1",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=100000",
+        ],
+        [
+            f"algorithm.filter_groups.enable=true drops prompts whose responses all score alike, but {R}.n=1",
+            "reward_model.overlong_buffer.enable=true is applied by the dapo reward manager, but "
+            "reward_model.reward_manager=naive; set reward_model.reward_manager=dapo",
+            "reward_model.overlong_buffer.len=100000 is longer than data.max_response_length=",
         ],
     ),
     V.check_rollout_placement: (
