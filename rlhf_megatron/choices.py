@@ -29,6 +29,8 @@ __all__ = [
     "Dtype",
     "EngineMode",
     "FilterMetric",
+    "JudgeCombine",
+    "JudgePlacement",
     "KLCtrlType",
     "LoadFormat",
     "LoraSync",
@@ -192,6 +194,18 @@ OnError = _choice(
     "OnError",
     ("raise", "zero"),
     "``reward.on_error``: a scorer failure stops training (raise) or scores 0 (zero).",
+)
+JudgePlacement = _choice(
+    "JudgePlacement",
+    ("colocated", "pool"),
+    "``reward.judge.placement``: the judge's vLLM engine in the driver process (colocated) or on "
+    "a Ray resource pool of its own (pool).",
+)
+JudgeCombine = _choice(
+    "JudgeCombine",
+    ("replace", "add"),
+    "``reward.judge.combine``: the judge's score is the reward (replace) or is added to the "
+    "rule-based score (add).",
 )
 Device = _choice("Device", ("auto", "cuda", "cpu"), "``trainer.device``: the accelerator.")
 NanPolicy = _choice(

@@ -37,6 +37,7 @@ from rlhf_megatron.choices import (
 )
 from rlhf_megatron.config.checks import count_problems, name_problem
 from rlhf_megatron.config.roles import active_roles
+from rlhf_megatron.config.schema_reward import JudgeConfig
 from rlhf_megatron.config.schema_roles import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -235,6 +236,9 @@ class RewardConfig:
     ``default_compute_score`` knows, e.g. ``openai/gsm8k``), or ``path.py:function`` (a file like
     ``custom_reward_function.path``; ``:function`` defaults to ``compute_score``). Null dispatches
     on ``data.reward_fn_key`` (or uses ``custom_reward_function``)."""
+
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge served by vLLM (off by default)."""
 
 
 @dataclass
@@ -602,4 +606,5 @@ class RunConfig:
         out += self.critic.validate("critic", built="critic" in roles)
         out += self.reward_model.validate("reward_model", built="reward_model" in roles)
         out += self.algorithm.validate("algorithm")
+        out += self.reward.judge.validate("reward.judge")
         return out + self.trainer.validate("trainer")

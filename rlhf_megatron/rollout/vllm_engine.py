@@ -489,6 +489,28 @@ class VLLMEngine:
             results.append((ids, log_probs, "length" if sample.finish_reason == "length" else "stop"))
         return results
 
+    def generate_token_ids(
+        self, prompts: list[list[int]], sampling: RolloutSampling, stop: Callable[[], bool] | None = None
+    ) -> list[tuple[list[int], bool]]:
+        """One sample per prompt of token ids, for a client that is not the policy (the LLM judge,
+        ``workers/judge.py``): ``(sampled ids, finished)`` per prompt, in order. All prompts are
+        added at once and the engine is stepped over them (one batch); ``stop`` is asked before every
+        step, and the rows still running when it answers True come back unfinished. Prompt ``i``
+        samples with ``sampling.seed + i``."""
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            raise RuntimeError("VLLMEngine.generate_token_ids called while asleep; call wake_up() first")
+        seed = sampling.seed
+        requests = [
+            (
+                TokensPrompt(prompt_token_ids=list(ids)),
+                self._sampling_params(sampling, 1, None if seed is None else seed + row),
+            )
+            for row, ids in enumerate(prompts)
+        ]
+        return [(tokens, done) for tokens, _, done in self._step(requests, stop)] if requests else []
+
     def continue_sequences(
         self, batch: Batch, sampling: RolloutSampling, stop: Callable[[], bool] | None = None
     ) -> Batch:

@@ -169,6 +169,35 @@ def _reward_fns(run: RunConfig, tokenizer):
     )
 
 
+def _with_judge(run: RunConfig, tokenizer, reward_fns: tuple):
+    """``reward.judge``: the reward functions wrapped in the LLM judge, and its client (not yet
+    started: the pool placement needs Ray). Both share one client, so one engine serves training
+    and validation. Off: the functions unchanged and None."""
+    judge = run.reward.judge
+    if not judge.enable:
+        return reward_fns, None
+    from transformers import AutoTokenizer
+
+    from rlhf_megatron.rewards.judge import JudgeRewardFn
+    from rlhf_megatron.workers.judge import build_judge_client
+
+    client = build_judge_client(judge, use_gpu=is_cuda() and run.trainer.device != "cpu")
+    judge_tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(judge.model_path))
+    wrapped = tuple(
+        JudgeRewardFn(
+            judge,
+            client,
+            tokenizer,
+            judge_tokenizer,
+            on_error=run.reward.on_error,
+            base=fn if judge.combine == "add" else None,
+            reward_fn_key=run.data.reward_fn_key,
+        )
+        for fn in reward_fns
+    )
+    return wrapped, client
+
+
 def _worker_groups(run: RunConfig, context: RunContext):
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.scheduling.worker_group import wait_all
@@ -260,6 +289,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     if resume_from is not None:
         checkpoints.verify(resume_from, run.trainer.verify_checkpoint)
     reward_fn, val_reward_fn = _reward_fns(run, tokenizer)
+    (reward_fn, val_reward_fn), judge = _with_judge(run, tokenizer, (reward_fn, val_reward_fn))
     context = RunContext.from_config(cfg, total)
     owns_ray = _init_ray(run)
     tracker = Tracker(
@@ -272,6 +302,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     )
     pools, groups = [], None
     try:
+        if judge is not None:  # the LLM judge's engine, in the driver or on its own Ray pool
+            judge.start()
         pools, groups, sync_address = _worker_groups(run, context)
         interrupts = None
         if run.trainer.partial_rollout and sync_address is not None:
@@ -314,6 +346,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
                 logger.warning("shutting down %s: %s", group.role, e)
         for pool in pools:
             pool.remove()
+        if judge is not None:
+            judge.close()
         if owns_ray:  # a Ray this run started stops; one it joined (RAY_ADDRESS) only loses this driver
             ray.shutdown()
 

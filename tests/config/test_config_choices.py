@@ -60,6 +60,8 @@ ENUM_CASES = {
         "is not one of: null, token, sequence",
     ),
     choices.OnError: ("reward.on_error", "is not one of: raise, zero"),
+    choices.JudgePlacement: ("reward.judge.placement", "is not one of: colocated, pool"),
+    choices.JudgeCombine: ("reward.judge.combine", "is not one of: replace, add"),
     choices.Device: ("trainer.device", "is not one of: auto, cuda, cpu"),
     choices.NanPolicy: ("trainer.nan_policy", "is not one of: stop, skip"),
     choices.VerifyCheckpoint: ("trainer.verify_checkpoint", "is not one of: sha256, size, none"),

@@ -42,6 +42,13 @@ VL_ARCH = [
 # section key -> (overrides on top of the valid base config, substrings its messages must contain):
 # the rules each section checks itself (``<Section>.validate``, beside its fields in schema*.py).
 SECTION_CASES = {
+    "reward.judge": (
+        ["reward.judge.enable=true", "reward.judge.score_pattern='Score: [0-9]+'"],
+        [
+            "reward.judge.model_path is required when reward.judge.enable=true",
+            "reward.judge.score_pattern='Score: [0-9]+' has 0 groups; it needs exactly one",
+        ],
+    ),
     "actor_rollout_ref.model": (
         ["actor_rollout_ref.model.lora_rank=-1"],
         ["actor_rollout_ref.model.lora_rank=-1 must be >= 0 (0: full fine-tuning, no adapters)"],
