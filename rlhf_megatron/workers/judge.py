@@ -56,7 +56,8 @@ def build_judge_engine(config: JudgeConfig, tensor_parallel_size: int = 1):
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_model_parallel_size=tensor_parallel_size,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_model_len,
+        # vLLM wants a step's token budget to hold a whole prompt and one token per sequence.
+        max_num_batched_tokens=max(config.max_model_len, config.max_num_seqs),
         enable_sleep_mode=False,
         engine_kwargs=dict(config.engine_kwargs),
     )

