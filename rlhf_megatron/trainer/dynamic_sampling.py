@@ -35,8 +35,9 @@ __all__ = [
     "merge_round_metrics",
 ]
 
-COUNT_SUFFIXES = ("errors", "timeouts", "invalid", "retries")
-"""Reward metrics that count events: summed over the rounds of a step."""
+SUMMED_SUFFIXES = ("errors", "timeouts", "invalid", "retries", "too_long", "time_s")
+"""Reward metrics that count events or time (the LLM judge's among them): summed over the rounds
+of a step."""
 
 
 class DynamicSamplingError(RuntimeError):
@@ -76,14 +77,14 @@ def groups_with_signal(uids: Sequence[str], values: np.ndarray) -> tuple[list[st
 
 
 def merge_round_metrics(rounds: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, float]:
-    """One step's reward metrics from its rounds' ``(responses, metrics)``: counts
-    (``COUNT_SUFFIXES``) summed, ``*/max`` and ``*/min`` the extremes, the rest row-weighted means."""
+    """One step's reward metrics from its rounds' ``(responses, metrics)``: counts and
+    times (``SUMMED_SUFFIXES``) summed, ``*/max`` and ``*/min`` the extremes, the rest row-weighted means."""
     out: dict[str, float] = {}
     keys = dict.fromkeys(k for _, metrics in rounds for k in metrics)
     for key in keys:
         present = [(rows, float(m[key])) for rows, m in rounds if key in m]
         values = [v for _, v in present]
-        if key.endswith(COUNT_SUFFIXES):
+        if key.endswith(SUMMED_SUFFIXES):
             out[key] = float(sum(values))
         elif key.endswith("/max"):
             out[key] = max(values)

@@ -38,9 +38,18 @@ def test_round_metrics_sum_counts_keep_extremes_and_weight_means():
         [
             (4, {"reward/errors": 1.0, "reward/x/mean": 1.0, "reward/x/max": 1.0, "reward/x/min": 0.5}),
             (12, {"reward/errors": 2.0, "reward/x/mean": 0.0, "reward/x/max": 0.2, "reward/x/min": 0.0}),
+            (12, {"reward/judge_invalid": 5.0, "reward/judge_time_s": 1.5}),
+            (4, {"reward/judge_invalid": 1.0, "reward/judge_time_s": 0.5}),
         ]
     )
-    assert merged == {"reward/errors": 3.0, "reward/x/mean": 0.25, "reward/x/max": 1.0, "reward/x/min": 0.0}
+    assert merged == {
+        "reward/errors": 3.0,
+        "reward/x/mean": 0.25,
+        "reward/x/max": 1.0,
+        "reward/x/min": 0.0,
+        "reward/judge_invalid": 6.0,
+        "reward/judge_time_s": 2.0,
+    }
 
 
 def _round(tag: str, accs: list[list[float]]) -> Batch:
