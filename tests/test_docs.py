@@ -173,6 +173,13 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         (("tests/trainer/test_lora_e2e.py", 'CONFIG = "quickstart_lora_cpu"'),),
         "the shared tiny model, three steps",
     ),
+    # The DAPO quickstart: tests/trainer/test_dapo_e2e.py trains configs/quickstart_cpu_dapo.yaml
+    # through the CLI, colocated and one step off.
+    Exercised(
+        "python -m rlhf_megatron.train --config quickstart_cpu_dapo",
+        (("tests/trainer/test_dapo_e2e.py", 'run_train("quickstart_cpu_dapo"'),),
+        "the shared random tiny model with a reward of the test's own, CPU-sized steps, two steps",
+    ),
     # `rlhf-megatron plan` on the presets: tests/config/test_config_planner.py runs the CLI's plan on
     # every model preset (spelled with .yaml there; both spellings name the same file).
     Exercised(

@@ -1,6 +1,7 @@
 """DAPO vs plain GRPO on the CPU quickstart task, per generated sample.
 
-    .venv/bin/python tools/compare_dapo.py [--steps 60] [--test-freq 5] [--plot docs/images/dapo_vs_grpo.png]
+    .venv/bin/python tools/compare_dapo.py [--steps 60] [--test-freq 5] [--seeds 1 2]
+                                           [--plot docs/dapo_vs_grpo_curve.png]
 
 Runs ``configs/quickstart_cpu.yaml`` (GRPO) and ``configs/quickstart_cpu_dapo.yaml`` (DAPO: dynamic
 sampling, clip-higher, token-mean, no KL, overlong buffer) through the real training CLI, one after
@@ -10,7 +11,9 @@ the x-axis is the responses generated so far: GRPO's ``train_batch_size x n`` pe
 ``dynamic_sampling/generated_samples``. Prints one JSON object: each run's validation curve
 (step, generated responses, ``val/reward_mean``), wall time and mean rounds per step, and the
 comparison over the sample range both runs cover: each run's mean validation reward over that
-range (trapezoid area / width) and its value at the range's end (linear interpolation).
+range (trapezoid area / width) and its value at the range's end (linear interpolation). With
+several ``--seeds`` (``trainer.seed`` and ``data.seed``: initial sampling and data order), each pair
+runs once per seed and the comparison gives every seed's numbers and their mean.
 
 Boundaries: a measurement tool; the runs start the training CLI in subprocesses.
 """
@@ -31,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"grpo": "quickstart_cpu", "dapo": "quickstart_cpu_dapo"}
 
 
-def _run(name: str, config: str, steps: int, test_freq: int, out: Path) -> dict:
-    run_dir = out / name
+def _run(name: str, config: str, steps: int, test_freq: int, seed: int, out: Path) -> dict:
+    run_dir = out / f"{name}_{seed}"
     args = [
         sys.executable,
         "-m",
@@ -46,6 +49,8 @@ def _run(name: str, config: str, steps: int, test_freq: int, out: Path) -> dict:
         "trainer.save_freq=-1",
         "trainer.logger=['jsonl']",
         "trainer.resume_mode=disable",
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
     ]
     start = time.perf_counter()
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
@@ -89,9 +94,12 @@ def _plot(results: dict, end: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, run in results.items():
+    colours = {"grpo": "tab:blue", "dapo": "tab:orange"}
+    for key, run in results.items():
+        name, seed = key.rsplit("_", 1)
         curve = run["curve"]
-        ax.plot([p["generated"] for p in curve], [p["val"] for p in curve], marker="o", label=name.upper())
+        x, y = [p["generated"] for p in curve], [p["val"] for p in curve]
+        ax.plot(x, y, marker="o", markersize=3, color=colours[name], label=f"{name.upper()} seed {seed}")
     ax.axvline(end, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("responses generated")
     ax.set_ylabel("val/reward_mean")
@@ -108,18 +116,33 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--test-freq", type=int, default=5)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     args = parser.parse_args(argv)
+    results = {}
     with tempfile.TemporaryDirectory(prefix="compare_dapo_") as tmp:
-        results = {
-            name: _run(name, config, args.steps, args.test_freq, Path(tmp)) for name, config in RUNS.items()
-        }
+        for seed in args.seeds:
+            for name, config in RUNS.items():
+                results[f"{name}_{seed}"] = _run(name, config, args.steps, args.test_freq, seed, Path(tmp))
     end = min(run["generated"] for run in results.values())
-    comparison = {}
-    for name, run in results.items():
-        mean, last = _over(run["curve"], end)
-        comparison[name] = {"mean_val_over_range": round(mean, 4), "val_at_range_end": round(last, 4)}
-    report = {"steps": args.steps, "common_generated_range": end, "runs": results, "comparison": comparison}
+    comparison: dict[str, dict] = {}
+    for name in RUNS:
+        per_seed = {seed: _over(results[f"{name}_{seed}"]["curve"], end) for seed in args.seeds}
+        comparison[name] = {
+            "mean_val_over_range": {s: round(m, 4) for s, (m, _) in per_seed.items()},
+            "val_at_range_end": {s: round(v, 4) for s, (_, v) in per_seed.items()},
+            "mean_over_seeds": {
+                "mean_val_over_range": round(float(np.mean([m for m, _ in per_seed.values()])), 4),
+                "val_at_range_end": round(float(np.mean([v for _, v in per_seed.values()])), 4),
+            },
+        }
+    report = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "common_generated_range": end,
+        "runs": results,
+        "comparison": comparison,
+    }
     if args.plot is not None:
         _plot(results, end, args.plot)
         report["plot"] = str(args.plot)
