@@ -13,6 +13,9 @@ unaffected. Phases, and the point each acts at:
 
 - ``gen``, ``update``, ``sync``: the actor worker of that rank SIGKILLs itself at
   ``actor.generate`` / ``actor.update`` / ``actor.sync`` (a crashed or OOM-killed process).
+- ``val``, ``ckpt``: the same at ``actor.validate`` (a validation generation; ``step`` counts the
+  updates before it, 0 = validation before training) and ``actor.save`` (writing its checkpoint
+  files; ``step``: updates so far).
 - ``rollout_gen``, ``rollout_sync``: a worker of the disaggregated rollout pool SIGKILLs
   itself at ``rollout.generate`` (its ``step``-th training generation) / ``rollout.sync``
   (receiving weight version ``step``).
@@ -21,6 +24,14 @@ unaffected. Phases, and the point each acts at:
   value loss).
 - ``save``: the driver SIGKILLs itself at ``trainer.save``, after the workers wrote their
   files into the temporary directory and before the trainer commits it.
+- ``hang``: at ``actor.update`` the actor worker of that rank sleeps for an hour (a stuck
+  process; its peers then wait for it in their first collective), so the driver's
+  ``trainer.step_timeout_s`` has something to catch.
+
+``RLHF_FAULT_ONCE_DIR=<dir>`` makes every kill and hang entry act at most once per run, whatever
+the process: the first process to reach it creates ``<dir>/<entry>`` and acts, later ones (the
+workers of an in-job restart, whose steps count from 1 again) find the file and go on. Without
+it a restarted process would meet the same fault again.
 
 Three entries take an amount instead of a step and act at every step (``tools/soak.py``'s
 tests use the first two to show that its checks catch a real leak and a real slowdown):
@@ -47,6 +58,7 @@ import torch
 from rlhf_megatron.platform.faults import Handler, StopTraining
 
 FAULT_ENV = "RLHF_FAULT"
+ONCE_ENV = "RLHF_FAULT_ONCE_DIR"
 STOP_ENV = "RLHF_STOP_AFTER_STEP"
 FORWARD_ENV = (STOP_ENV,)
 """What the seam forwards to worker processes besides ``RLHF_FAULT*``."""
@@ -62,10 +74,30 @@ def _matches(entry: list[str], step: int, rank: int | None) -> bool:
     return int(entry[1]) == step and (len(entry) < 3 or rank is None or int(entry[2]) == rank)
 
 
-def _kill(entry: list[str]) -> Handler:
+def _first_time(entry: list[str], once_dir: str | None) -> bool:
+    """Whether this process is the first of the run to act on ``entry`` (always, without
+    ``RLHF_FAULT_ONCE_DIR``)."""
+    if not once_dir:
+        return True
+    try:
+        os.close(os.open(os.path.join(once_dir, ":".join(entry)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _kill(entry: list[str], once_dir: str | None = None) -> Handler:
     def handler(step: int, rank: int | None = None, **_) -> None:
-        if _matches(entry, step, rank):
+        if _matches(entry, step, rank) and _first_time(entry, once_dir):
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no exception: like the OOM killer
+
+    return handler
+
+
+def _hang(entry: list[str], once_dir: str | None = None) -> Handler:
+    def handler(step: int, rank: int | None = None, **_) -> None:
+        if _matches(entry, step, rank) and _first_time(entry, once_dir):
+            time.sleep(3600)
 
     return handler
 
@@ -109,6 +141,8 @@ def _stop_after(k: int) -> Handler:
 
 _KILL_POINTS = {
     "gen": "actor.generate",
+    "val": "actor.validate",
+    "ckpt": "actor.save",
     "rollout_gen": "rollout.generate",
     "rollout_sync": "rollout.sync",
     "update": "actor.update",
@@ -124,10 +158,13 @@ def handlers_from_env(env: Mapping[str, str]) -> dict[str, list[Handler]]:
     def add(point: str, handler: Handler) -> None:
         registry.setdefault(point, []).append(handler)
 
+    once_dir = env.get(ONCE_ENV)
     for entry in _entries(env.get(FAULT_ENV, "")):
         phase = entry[0]
         if phase in _KILL_POINTS:
-            add(_KILL_POINTS[phase], _kill(entry))
+            add(_KILL_POINTS[phase], _kill(entry, once_dir))
+        elif phase == "hang":
+            add("actor.update", _hang(entry, once_dir))
         elif phase == "nan":
             add("actor.update", _poison(entry, "advantages", float("nan")))
         elif phase == "critic_nan":

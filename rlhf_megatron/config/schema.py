@@ -508,9 +508,26 @@ class TrainerConfig:
     """Memory per accelerator in GiB, as nvidia-smi reports it; used by ``rlhf-megatron plan``
     (our extension)."""
 
+    max_restarts: int = 0
+    """In-job recovery: how many times the run may restart after a worker dies, hangs (see
+    ``step_timeout_s``) or loses a collective peer. The driver stops every worker group, waits
+    ``restart_backoff_s``, builds the groups again (a node that is gone is left out) and resumes
+    from the newest complete checkpoint, losing at most ``save_freq`` steps. 0: a failure ends the
+    run, as before. A worker's own error (NaN, bad data, a reward function) is never retried.
+    (our extension)"""
+
+    restart_backoff_s: float = 10.0
+    """Seconds before the first restart, doubled for each one after it (at most 300)."""
+
+    step_timeout_s: float | None = None
+    """A call of a training step (generation, a log-prob pass, an update, a weight sync, a save)
+    that makes no progress for this many seconds is a hang: the error names the role, ranks and
+    call, and the run restarts like after a death (``max_restarts``) or stops. Set it well above
+    the slowest phase. Null: an hour per call. (our extension)"""
+
     def validate(self, key: str = "trainer") -> list[str]:
-        """A known resume mode, cluster and epoch counts >= 1, and a staleness bound and partial
-        rollout that fit ``rollout_mode``."""
+        """A known resume mode, cluster and epoch counts >= 1, a staleness bound and partial
+        rollout that fit ``rollout_mode``, and restart limits >= 0."""
         out = _resume_mode_problems(key, self.resume_mode, self.resume_from_path)
         out += count_problems(
             key,
@@ -530,6 +547,12 @@ class TrainerConfig:
                 f"{key}.rollout_mode=async with {key}.max_staleness=0 never generates ahead; set "
                 f"max_staleness >= 1, or use {key}.rollout_mode=sync"
             )
+        if self.max_restarts < 0:
+            out.append(f"{key}.max_restarts={self.max_restarts} must be >= 0 (0: a failure ends the run)")
+        if self.restart_backoff_s < 0:
+            out.append(f"{key}.restart_backoff_s={self.restart_backoff_s} must be >= 0")
+        if self.step_timeout_s is not None and self.step_timeout_s <= 0:
+            out.append(f"{key}.step_timeout_s={self.step_timeout_s} must be > 0 (null: no step deadline)")
         if self.partial_rollout and mode not in ("one_step_off", "async"):
             out.append(
                 f"{key}.partial_rollout=true interrupts generations that run beside training, but "

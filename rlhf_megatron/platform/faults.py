@@ -27,6 +27,10 @@ The points, and the context each passes:
 - ``actor.sync`` (step, rank): a colocated weight sync has loaded vLLM, before its call
   returns (a disaggregated send: at its start); ``step`` counts updates so far. These two act
   mid-call because the driver may have queued them behind another call on the same worker.
+- ``actor.validate`` (step, rank): a validation generation has sampled; ``step`` counts updates
+  so far (0: validation before training).
+- ``<role>.save`` (step, rank): a role's worker starts writing its checkpoint files (``actor.save``,
+  ``critic.save``); ``step`` counts its updates so far.
 - ``critic.update`` (step, rank, batch): start of ``update_critic``.
 - ``rollout.generate`` (step, rank): a disaggregated rollout worker starts a training
   generation; ``step`` counts this process's training generations (1 = the first).

@@ -53,12 +53,16 @@ DEATH_GRACE_S = 5.0
 
 
 class WorkerError(RuntimeError):
-    """A rank of a worker group raised, died or missed its deadline."""
+    """A rank of a worker group raised, died or missed its deadline.
 
-    def __init__(self, role: str, rank: int | None, node: str, detail: str):
+    ``cause``: ``died`` (the process or its node is gone), ``hung`` (the call missed its deadline;
+    the group was stopped) or ``raised`` (the worker's code raised; ``detail`` holds its traceback)."""
+
+    def __init__(self, role: str, rank: int | None, node: str, detail: str, cause: str = "raised"):
         where = f"rank {rank}" if rank is not None else "ranks"
         super().__init__(f"[{role}] {where} on node {node}: {detail}")
-        self.role, self.rank, self.node = role, rank, node
+        self.role, self.rank, self.node, self.cause = role, rank, node, cause
+        self.detail = detail
 
 
 class PendingCall(Generic[R]):
@@ -263,6 +267,7 @@ class WorkerGroup(Generic[W]):
                     None,
                     ", ".join(self._node_name(r) for r in late[:4]),
                     f"{what} did not finish within {timeout_s:.0f} s on ranks {late}; the group was stopped",
+                    cause="hung",
                 )
             done, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
             for ref in done:
@@ -296,7 +301,9 @@ class WorkerGroup(Generic[W]):
         later = [] if call is None else sorted((p.seq, p.method) for p in self._inflight if p.seq > call.seq)
         queued = f" (or in a call queued behind it: {', '.join(m for _, m in later)})" if later else ""
         detail = f"process died during {what}{queued} ({type(err).__name__}): {err}"
-        return WorkerError(self.role, rank, self._node_name(rank), f"{detail}\n{note}" if note else detail)
+        return WorkerError(
+            self.role, rank, self._node_name(rank), f"{detail}\n{note}" if note else detail, cause="died"
+        )
 
     @staticmethod
     def _dead_peer(pending: list, index: dict, grace_s: float):

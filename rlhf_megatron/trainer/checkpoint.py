@@ -181,6 +181,20 @@ class CheckpointManager:
             if mode == "sha256" and _sha256(file) != entry["sha256"]:
                 raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt); {hint}")
 
+    @classmethod
+    def step_of(cls, path: Path) -> int:
+        """The step a complete checkpoint was saved after."""
+        return int(cls.read_state(path)["global_step"])
+
+    def newest_since(self, started: float, fallback: Path | None) -> Path | None:
+        """The newest complete checkpoint written at or after ``started`` (a time.time()), else
+        ``fallback``: what a run restarting in-job resumes from (never an older run's checkpoint
+        that this run chose not to resume from)."""
+        latest = self.latest()
+        if latest is not None and (latest / STATE_FILE).stat().st_mtime >= started:
+            return latest
+        return fallback
+
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:
         try:

@@ -85,6 +85,26 @@ class Tracker:
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
+    def rewind(self, step: int) -> None:
+        """Forget the records of steps after ``step`` (a resumed run trains them again) in
+        ``metrics.jsonl`` and ``val_generations.jsonl``, each rewritten to a temporary file and
+        renamed over the old one. wandb and TensorBoard keep what they were sent."""
+        self.jsonl.close()
+        for name in ("metrics.jsonl", "val_generations.jsonl"):
+            path = self.run_dir / name
+            if not path.is_file():
+                continue
+            lines = path.read_text().splitlines()
+            kept = [line for line in lines if not line.strip() or json.loads(line).get("step", 0) <= step]
+            if len(kept) != len(lines):
+                tmp = path.with_name(f".{name}.tmp")
+                tmp.write_text("".join(f"{line}\n" for line in kept))
+                tmp.replace(path)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (lives as long as the tracker)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def log_generations(self, rows: list[tuple[str, str, float]], step: int) -> None:
         """Validation samples (input, output, score): a wandb table, and a JSON-lines file."""
         if not rows:

@@ -89,13 +89,15 @@ class PPOTrainer:
         checkpoints: CheckpointManager,
         n_params: int,
         resume_from: Path | None = None,
+        first_step_metrics: dict[str, Any] | None = None,
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
         leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
         the actor's processes generate); ``interrupts`` its ``InterruptSignal`` when
         ``trainer.partial_rollout`` is on; ``n_params`` is the actor's parameters per token (active,
         for MoE), for MFU; ``resume_from`` the verified checkpoint to resume from (``run_training``
-        resolves and verifies it before any worker starts)."""
+        resolves and verifies it before any worker starts); ``first_step_metrics`` are logged with
+        the first step this trainer runs (an in-job restart's ``recovery/*``)."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
@@ -109,6 +111,7 @@ class PPOTrainer:
         self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
         self.n_params = n_params
         self.resume_from = resume_from
+        self.first_step_metrics = dict(first_step_metrics or {})
         ctrl = run.algorithm.kl_ctrl
         self.kl_ctrl = get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
         self.global_step = 0
@@ -167,6 +170,8 @@ class PPOTrainer:
             while self.global_step < self.total_steps:
                 self.global_step += 1
                 metrics = self.train_step(self.global_step)
+                metrics.update(self.first_step_metrics)
+                self.first_step_metrics = {}
                 if self._validates_after(self.global_step):
                     metrics.update(self.validate())
                 if self._saves_after(self.global_step):
@@ -525,6 +530,8 @@ class PPOTrainer:
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
+        # Steps logged after this checkpoint ran again from here: their first records go.
+        self.tracker.rewind(self.global_step)
         queued = torch.load(path / QUEUE_FILE, weights_only=False) if state.get("rollout_queue") else []
         if self.rollout is not None:  # the rollout pool still holds the initial weights
             self.rollout_client.push_weights(actor_version(self.global_step, self.critic_warmup))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.platform import is_cuda
 from rlhf_megatron.platform.faults import StopTraining, fault_env
+from rlhf_megatron.trainer.recovery import Recovery
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +271,6 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.trainer.checkpoint import CheckpointManager
     from rlhf_megatron.trainer.loggers import Tracker
-    from rlhf_megatron.trainer.ppo_trainer import PPOTrainer
 
     run: RunConfig = OmegaConf.to_object(cfg)
     model = run.actor_rollout_ref.model
@@ -300,56 +301,134 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
         run.trainer.experiment_name,
         OmegaConf.to_container(cfg, resolve=True),
     )
-    pools, groups = [], None
+    recovery = Recovery(run.trainer.max_restarts, run.trainer.restart_backoff_s, run_dir)
+    started, first_resume = time.time(), resume_from
+    start_of_data = train_loader.state_dict()  # what a restart without a checkpoint starts from
+    attempt = _Attempt(
+        run, context, reward_fn, val_reward_fn, train_loader, val_loader, tokenizer, tracker, checkpoints
+    )
+    attempt.n_params = count_parameters(arch).active  # per-token compute (MoE: the routed experts only)
     try:
         if judge is not None:  # the LLM judge's engine, in the driver or on its own Ray pool
             judge.start()
-        pools, groups, sync_address = _worker_groups(run, context)
-        interrupts = None
-        if run.trainer.partial_rollout and sync_address is not None:
-            from rlhf_megatron.workers.rollout import InterruptSignal
-
-            interrupts = InterruptSignal.connect(*sync_address)
-        trainer = PPOTrainer(
-            run,
-            context,
-            actor=groups["actor"],
-            rollout=groups.get("rollout"),
-            interrupts=interrupts,
-            critic=groups.get("critic"),
-            reward_model=groups.get("reward_model"),
-            reward_fn=reward_fn,
-            val_reward_fn=val_reward_fn,
-            train_loader=train_loader,
-            val_loader=val_loader,
-            tokenizer=tokenizer,
-            tracker=tracker,
-            n_params=count_parameters(arch).active,  # per-token compute (MoE: the routed experts only)
-            checkpoints=checkpoints,
-            resume_from=resume_from,
-        )
-        try:
-            history = trainer.fit()
-        except StopTraining as stop:
-            logger.warning("%s", stop)
-            return trainer.history
-        _report(run_dir, history)
+        while True:
+            try:
+                history = attempt.run(resume_from, recovery.take_metrics())
+                break
+            except Exception as err:
+                cause = recovery.cause_to_restart(err)
+                if cause is None:
+                    raise
+                # The newest complete checkpoint this run wrote (verified: a save may have died
+                # with the worker), else where the run started.
+                resume_from = checkpoints.newest_since(started, first_resume)
+                if resume_from is not None:
+                    checkpoints.verify(resume_from, run.trainer.verify_checkpoint)
+                else:
+                    train_loader.load_state_dict(start_of_data)
+                resumed = checkpoints.step_of(resume_from) if resume_from is not None else 0
+                wait = recovery.record(cause, err, attempt.step, resumed)
+                logger.warning(
+                    "restart %d of %d (trainer.max_restarts) in %.0f s after a %s worker, from %s: %s",
+                    recovery.restarts,
+                    run.trainer.max_restarts,
+                    wait,
+                    cause,
+                    resume_from or "the start (no checkpoint yet)",
+                    str(err).splitlines()[0],
+                )
+                time.sleep(wait)
+        if attempt.stopped is None:
+            _report(run_dir, history)
         return history
     finally:
         tracker.close()
         for fn in (reward_fn, val_reward_fn):
             fn.close()
-        for group in (groups or {}).values():
-            try:
-                group.shutdown()
-            except Exception as e:  # a failed run reports its own error; teardown must not mask it
-                logger.warning("shutting down %s: %s", group.role, e)
-        for pool in pools:
-            pool.remove()
         if judge is not None:
             judge.close()
         if owns_ray:  # a Ray this run started stops; one it joined (RAY_ADDRESS) only loses this driver
             ray.shutdown()
+
+
+class _Attempt:
+    """One try at the run: the worker groups built, the trainer resumed and run, the groups
+    stopped. A failure leaves ``step`` at the step it struck (for ``recovery/steps_lost``)."""
+
+    def __init__(
+        self,
+        run,
+        context,
+        reward_fn,
+        val_reward_fn,
+        train_loader,
+        val_loader,
+        tokenizer,
+        tracker,
+        checkpoints,
+    ):
+        self.run_cfg, self.context = run, context
+        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
+        self.n_params = 0
+        self.step = 0
+        self.stopped: StopTraining | None = None
+
+    def run(self, resume_from: Path | None, first_step_metrics: dict[str, Any]) -> list[dict[str, Any]]:
+        from rlhf_megatron.trainer.ppo_trainer import PPOTrainer
+
+        run = self.run_cfg
+        self.step = self.checkpoints.step_of(resume_from) if resume_from is not None else 0
+        pools, groups, trainer, failed = [], None, None, True
+        try:
+            pools, groups, sync_address = _worker_groups(run, self.context)
+            if run.trainer.step_timeout_s is not None:  # a call of a step that makes no progress is a hang
+                for group in groups.values():
+                    group.call_timeout_s = run.trainer.step_timeout_s
+            interrupts = None
+            if run.trainer.partial_rollout and sync_address is not None:
+                from rlhf_megatron.workers.rollout import InterruptSignal
+
+                interrupts = InterruptSignal.connect(*sync_address)
+            trainer = PPOTrainer(
+                run,
+                self.context,
+                actor=groups["actor"],
+                rollout=groups.get("rollout"),
+                interrupts=interrupts,
+                critic=groups.get("critic"),
+                reward_model=groups.get("reward_model"),
+                reward_fn=self.reward_fn,
+                val_reward_fn=self.val_reward_fn,
+                train_loader=self.train_loader,
+                val_loader=self.val_loader,
+                tokenizer=self.tokenizer,
+                tracker=self.tracker,
+                n_params=self.n_params,
+                checkpoints=self.checkpoints,
+                resume_from=resume_from,
+                first_step_metrics=first_step_metrics,
+            )
+            try:
+                history = trainer.fit()
+            except StopTraining as stop:
+                logger.warning("%s", stop)
+                self.stopped = stop
+                history = trainer.history
+            failed = False
+            return history
+        finally:
+            if trainer is not None:
+                self.step = trainer.global_step
+            for group in (groups or {}).values():
+                try:
+                    # After a failure a peer may be stuck in a collective: stop, do not wait.
+                    group.kill() if failed else group.shutdown()
+                except Exception as e:  # a failed run reports its own error; teardown must not mask it
+                    logger.warning("shutting down %s: %s", group.role, e)
+            for pool in pools:
+                pool.remove()
 
 
 def check_tokenizer_fits_model(tokenizer, arch, model_path: str) -> None:

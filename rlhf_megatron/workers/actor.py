@@ -242,6 +242,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             )
         if not (validate or greedy):  # after sampling (see sync_weights' fault point)
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
+        elif validate:
+            fault_point("actor.validate", step=self.updates, rank=self.rank)
         out.meta_info.update(gen_start=start, gen_end=time.time())
         if log_probs and self.fuses_passes() and "multi_modal_data" not in out.non_tensor_keys:
             passes = {"old_log_probs": self.compute_log_prob, "ref_log_probs": self.compute_ref_log_prob}

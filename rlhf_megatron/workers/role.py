@@ -46,6 +46,7 @@ from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.lora_io import ADAPTER_DIR, read_peft_adapter, write_peft_adapter
 from rlhf_megatron.models.moe import ExpertLoadRecorder
 from rlhf_megatron.platform import ParallelGroups, init_model_parallel
+from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.workers.base import Worker
 from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, LossFn, MegatronEngine, split_micro_batches
@@ -263,6 +264,7 @@ class MegatronRoleWorker(Worker):
     def save_checkpoint(self, ckpt_dir: str) -> None:
         """Collective: every engine's model (dist-checkpoint), plus this rank's optimizer/RNG state."""
         root = Path(ckpt_dir)
+        fault_point(f"{self.role}.save", step=self.updates, rank=self.rank)
         try:
             self._save_engines(root)
         except (OSError, RuntimeError) as e:

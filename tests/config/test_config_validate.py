@@ -61,11 +61,21 @@ SECTION_CASES = {
         ],
     ),
     "trainer": (
-        ["trainer.resume_mode=autp", "trainer.max_staleness=-1", "trainer.total_epochs=0"],
+        [
+            "trainer.resume_mode=autp",
+            "trainer.max_staleness=-1",
+            "trainer.total_epochs=0",
+            "trainer.max_restarts=-1",
+            "trainer.restart_backoff_s=-1",
+            "trainer.step_timeout_s=0",
+        ],
         [
             "trainer.resume_mode='autp': use auto, disable, resume_path, or a checkpoint path containing '/'",
             "trainer.max_staleness=-1 must be an integer >= 0",
             "trainer.total_epochs=0 must be >= 1",
+            "trainer.max_restarts=-1 must be >= 0 (0: a failure ends the run)",
+            "trainer.restart_backoff_s=-1.0 must be >= 0",
+            "trainer.step_timeout_s=0.0 must be > 0 (null: no step deadline)",
         ],
     ),
     "algorithm": (

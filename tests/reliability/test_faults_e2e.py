@@ -27,7 +27,7 @@ from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
 from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
-VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/")
+VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "recovery/")
 EXTRA = REFERENCE_STEPS
 BOUND_S = 150  # a fault must be reported well within this (start-up included)
 
@@ -65,7 +65,13 @@ def _marker(run: Path) -> str:
     return (run / "latest_checkpointed_iteration.txt").read_text().strip()
 
 
-def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inputs, tmp_path, reference_run):
+def test_worker_killed_during_update_is_reported_then_recovered_in_job(
+    tiny_run_inputs, tmp_path, reference_run
+):
+    """Without restarts a death ends the run, reported; a new process resumes it. With
+    ``trainer.max_restarts`` the next death (step 3's update) costs no new process: the driver
+    rebuilds the workers, resumes from checkpoint 2 and finishes, and every step still equals
+    the uninterrupted run's."""
     run = tmp_path / "run"
     start = time.monotonic()
     proc, records = run_train(
@@ -78,9 +84,23 @@ def test_worker_killed_during_update_is_reported_and_resume_matches(tiny_run_inp
     ]
     assert elapsed < BOUND_S
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
-    proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
+    # The resumed process counts its steps from 1: its step 2 is the run's step 3.
+    (tmp_path / "once").mkdir()
+    recover = {"trainer.max_restarts": 1, "trainer.restart_backoff_s": 0}
+    proc, resumed = run_train(
+        "quickstart_cpu",
+        train_overrides(tiny_run_inputs, run, **EXTRA, **recover),
+        env={"RLHF_FAULT": "update:2:1", "RLHF_FAULT_ONCE_DIR": str(tmp_path / "once")},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(resumed) == _stable(reference_run[1]), "the resumed run must equal the uninterrupted one"
+    assert "restart 1 of 1 (trainer.max_restarts)" in proc.stderr and "after a died worker" in proc.stderr
+    assert _stable(resumed) == _stable(reference_run[1]), "the recovered run must equal the uninterrupted one"
+    assert [r["step"] for r in resumed] == [1, 2, 3], "step 3 is logged once, by the attempt that finished it"
+    assert resumed[2]["recovery/restarts"] == 1 and resumed[2]["recovery/steps_lost"] == 1
+    assert resumed[2]["recovery/cause"] == "died"
+    [event] = [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
+    assert (event["failed_step"], event["resumed_step"]) == (3, 2)
+    assert "[actor] rank 1" in event["message"] and "update_actor" in event["message"]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import torch
 
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.scheduling import ResourcePool, WorkerError, WorkerGroup
+from rlhf_megatron.trainer.recovery import failure_cause
 
 ray = pytest.importorskip("ray")
 HERE = str(Path(__file__).resolve().parent)
@@ -62,15 +63,17 @@ def test_exception_on_one_rank_names_role_rank_and_traceback(local_ray):
     assert "sched_workers.py" in msg and ", in fail" in msg, "the remote traceback is included"
     assert "\x1b[" not in msg
     assert err.value.rank == 1
+    assert err.value.cause == "raised" and failure_cause(err.value) is None  # a restart would not help
     pool.remove()
 
 
 def test_killed_worker_is_reported_within_timeout(local_ray):
     group, pool = _group(2, 1, "die")
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"\[actor\] rank 0 on node .*process died during die"):
+    with pytest.raises(WorkerError, match=r"\[actor\] rank 0 on node .*process died during die") as err:
         group.call("die", 0, timeout_s=60)
     assert time.monotonic() - start < 30
+    assert err.value.cause == "died" and failure_cause(err.value) == "died"  # a restart may cure it
     pool.remove()
 
 
@@ -83,7 +86,7 @@ def test_dead_rank_is_named_even_when_a_peer_error_arrives_first(local_ray):
     msg = str(err.value)
     assert msg.startswith("[actor] rank 1 on node") and "process died during die_then_peer_fails" in msg, msg
     assert "rank 0 then failed too: RuntimeError: Connection reset by peer" in msg, msg
-    assert err.value.rank == 1
+    assert err.value.rank == 1 and err.value.cause == "died"
     pool.remove()
 
 
@@ -109,9 +112,10 @@ def test_death_names_the_calls_queued_behind_the_one_it_surfaced_on(local_ray):
 def test_hang_hits_the_deadline(local_ray):
     group, pool = _group(2, 1, "hang")
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"hang did not finish within 3 s on ranks \[0, 1\]"):
+    with pytest.raises(WorkerError, match=r"hang did not finish within 3 s on ranks \[0, 1\]") as err:
         group.call("hang", timeout_s=3)
     assert time.monotonic() - start < 20
+    assert err.value.cause == "hung" and failure_cause(err.value) == "hung"  # handled like a death
     pool.remove()
 
 
