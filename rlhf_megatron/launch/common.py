@@ -35,6 +35,8 @@ __all__ = [
     "LaunchError",
     "RunSpec",
     "add_common_args",
+    "auto_resume_overrides",
+    "is_auto_resume",
     "check_env_assignments",
     "driver_env",
     "load_run",
@@ -205,6 +207,23 @@ def load_run(
     for message in dict.fromkeys(str(w.message) for w in caught):
         print(f"warning: {message}", file=sys.stderr)
     return RunSpec(config_file=config_file, overrides=tuple(overrides), shape=shape, cfg=cfg)
+
+
+def auto_resume_overrides(spec: RunSpec) -> list[str]:
+    """``["trainer.resume_mode=auto"]`` when the run resumes by itself, else ``[]``.
+
+    A scheduler that restarts a job (a Slurm requeue, a RayJob retry) reruns the same command,
+    so the command says ``auto`` out loud: resume from the newest complete checkpoint in the
+    run directory. A run that chose otherwise (``disable``, ``resume_path``, a checkpoint
+    path) keeps its choice; the launcher decides what a restart of it does.
+    """
+    trainer = spec.cfg.trainer
+    return ["trainer.resume_mode=auto"] if is_auto_resume(trainer) else []
+
+
+def is_auto_resume(trainer: DictConfig) -> bool:
+    """True when ``trainer`` resumes from its run directory's newest checkpoint by itself."""
+    return trainer.resume_mode == "auto" and not trainer.get("resume_from_path")
 
 
 def is_secret(name: str) -> bool:

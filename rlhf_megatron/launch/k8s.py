@@ -10,10 +10,16 @@ Role: from the run config and the cluster shape, build
   3. a ``RayJob`` (default) whose RayCluster has a head pod plus ``N - 1`` workers, each
      with G GPUs, ``/dev/shm`` in memory, and the NCCL environment. Its entrypoint is
      ``rlhf-megatron train --config /etc/rlhf-megatron/config.yaml overrides...
-     trainer.nnodes=N trainer.n_gpus_per_node=G``. ``--kind raycluster`` gives a bare
-     ``RayCluster`` instead, for interactive use (``ray job submit``).
+     trainer.nnodes=N trainer.n_gpus_per_node=G trainer.resume_mode=auto``. ``--kind
+     raycluster`` gives a bare ``RayCluster`` instead, for interactive use (``ray job submit``).
 The head pod is a training node like the others: the N nodes of the run are the head
 plus the workers, as on Slurm.
+
+Restarts: ``spec.backoffLimit`` (KubeRay >= 1.2; older operators ignore the field) lets a
+failed RayJob run again, up to ``--max-retries`` times, each time on a new RayCluster. The
+checkpoints are on the claim, which outlives the RayJob, and the entrypoint resumes from the
+newest one (``resume_mode=auto``). A run configured to start from an explicit checkpoint or
+fresh would repeat that on a retry, so the launcher warns about it (``retry_caveat``).
 
 Output is deterministic: mappings are built in a fixed, readable order and never depend
 on the caller's environment (pass values with ``--env``, secrets with ``--secret-env``).
@@ -40,12 +46,22 @@ from rlhf_megatron.launch.common import (
     LaunchError,
     RunSpec,
     add_common_args,
+    auto_resume_overrides,
     check_env_assignments,
+    is_auto_resume,
     load_run,
     parse_launch_args,
 )
 
-__all__ = ["K8sOptions", "build_manifests", "embedded_config", "main", "pod_templates", "render_yaml"]
+__all__ = [
+    "K8sOptions",
+    "build_manifests",
+    "embedded_config",
+    "main",
+    "pod_templates",
+    "render_yaml",
+    "retry_caveat",
+]
 
 RAY_API = "ray.io/v1"
 CONFIG_DIR = "/etc/rlhf-megatron"
@@ -99,6 +115,8 @@ class K8sOptions:
     ray_version: str | None = None
     """``spec.rayVersion``; None: the installed Ray's version."""
     ttl_seconds: int = 600
+    max_retries: int = 3
+    """``spec.backoffLimit`` of the RayJob: reruns after a failure, each on a new RayCluster."""
     driver_cmd: str | None = None
 
     def check(self, nodes: int) -> None:
@@ -139,6 +157,10 @@ class K8sOptions:
             )
         if self.cpus_per_node is not None and self.cpus_per_node < 1:
             raise LaunchError(f"--cpus-per-node must be at least 1 (got {self.cpus_per_node})")
+        if self.max_retries < 0:
+            raise LaunchError(
+                f"--max-retries must be 0 or more (got {self.max_retries}); 0 turns retries off"
+            )
         if self.ttl_seconds < 0:
             raise LaunchError(f"--ttl must be 0 or more seconds (got {self.ttl_seconds})")
         if not posixpath.isabs(self.workdir):
@@ -323,7 +345,14 @@ def _metadata(opts: K8sOptions, name: str, instance: str) -> dict[str, Any]:
 def _entrypoint(spec: RunSpec, opts: K8sOptions) -> str:
     # Ray runs the entrypoint through a shell; `cd` makes a relative default_local_dir
     # resolve inside the image, where the checkpoint volume is mounted.
-    train = ["rlhf-megatron", "train", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}", *spec.train_overrides]
+    train = [
+        "rlhf-megatron",
+        "train",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_KEY}",
+        *spec.train_overrides,
+        *auto_resume_overrides(spec),
+    ]
     command = opts.driver_cmd or shlex.join(train)
     return f"cd {shlex.quote(opts.workdir)} && {command}"
 
@@ -363,6 +392,8 @@ def build_manifests(spec: RunSpec, opts: K8sOptions) -> list[dict[str, Any]]:
             "metadata": _metadata(opts, names.job, names.job),
             "spec": {
                 "entrypoint": _entrypoint(spec, opts),
+                # A failed run goes again on a fresh RayCluster and resumes from the claim.
+                "backoffLimit": opts.max_retries,
                 # Free the GPUs once the run ends; keep the pods ttl seconds for the logs.
                 "shutdownAfterJobFinishes": True,
                 "ttlSecondsAfterFinished": opts.ttl_seconds,
@@ -370,6 +401,26 @@ def build_manifests(spec: RunSpec, opts: K8sOptions) -> list[dict[str, Any]]:
             },
         }
     return [config_map, pvc, ray_obj]
+
+
+def retry_caveat(spec: RunSpec, opts: K8sOptions) -> str | None:
+    """Why a retry of this RayJob would not continue the run, or None when it would.
+
+    Unlike a Slurm job, a retried RayJob can't tell its own checkpoints from older ones (no
+    restart count, no job start it could compare against), so a run told to start from an
+    explicit checkpoint, or fresh, does that again on every retry.
+    """
+    if opts.kind != "rayjob" or opts.max_retries == 0 or opts.driver_cmd or is_auto_resume(spec.cfg.trainer):
+        return None
+    trainer = spec.cfg.trainer
+    start = f"from {trainer.resume_from_path or trainer.resume_mode}"
+    if trainer.resume_mode == "disable":
+        start = "fresh (trainer.resume_mode=disable)"
+    return (
+        f"a retried RayJob starts {start} again, not from the checkpoints the failed attempt wrote; "
+        "for retries that continue the run, let it resume by itself (trainer.resume_mode=auto, no "
+        "trainer.resume_from_path) or pass --max-retries 0"
+    )
 
 
 def pod_templates(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -431,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ttl", type=int, default=600, help="seconds the finished RayJob's pods stay for logs"
     )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="spec.backoffLimit: reruns of a failed RayJob (KubeRay >= 1.2), each resuming from "
+        "the last checkpoint on the claim (0: none)",
+    )
     parser.add_argument("-o", "--output", help="write to this file instead of stdout")
     return parser
 
@@ -455,11 +513,15 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir,
         ray_version=args.ray_version,
         ttl_seconds=args.ttl,
+        max_retries=args.max_retries,
         driver_cmd=args.driver_cmd,
     )
     opts.check(args.nodes or 1)  # argument mistakes first; the node count is checked again below
     spec = load_run(args.config, overrides, args.nodes, args.gpus_per_node)
     text = render_yaml(build_manifests(spec, opts))
+    caveat = retry_caveat(spec, opts)
+    if caveat:
+        print(f"warning: {caveat}", file=sys.stderr)
     if args.output:
         with open(args.output, "w") as fh:
             fh.write(text)

@@ -6,6 +6,11 @@ a Slurm user can read it) with the job's settings, writes it to
 script instead. The job's output, each node's Ray log and ``status-<jobid>`` (the driver's
 exit code) land next to the script.
 
+Restarts: the job is requeueable (``--requeue``; output appended, ``--open-mode=append``), so
+Slurm runs it again after a node failure or ``scontrol requeue``, at most ``--max-requeues``
+times. The driver runs through ``launch/restart.py``: a requeued run resumes from the
+newest checkpoint the job wrote (see that module for the rule).
+
 Rendering: the settings are bash assignments quoted with ``shlex.quote``, so no value can
 break the script. The pass-through environment (NCCL_*, WANDB_*, HF_*, ...) is recorded
 by value, except secrets (names with KEY/TOKEN/SECRET/PASSWORD): those reach the job only
@@ -32,6 +37,7 @@ from rlhf_megatron.launch.common import (
     LaunchError,
     RunSpec,
     add_common_args,
+    auto_resume_overrides,
     check_env_assignments,
     load_run,
     parse_launch_args,
@@ -75,6 +81,9 @@ class SlurmOptions:
     """Extra ``#SBATCH`` options, e.g. ``--qos=high`` or ``--mem=0``."""
     log_dir: Path | None = None
     """Where the script, the job output and the Ray logs go; None: ``<trainer.default_local_dir>/slurm``."""
+    max_requeues: int = 3
+    """Times Slurm may run the job again after a node failure or ``scontrol requeue``; 0 makes
+    the job not requeueable (``--no-requeue``). A run past the bound exits 1 at once."""
 
     def check(self) -> None:
         """A LaunchError for the first bad option, naming it and what to change."""
@@ -106,6 +115,10 @@ class SlurmOptions:
             raise LaunchError(
                 f"--join-timeout must be a positive number of seconds (got {self.join_timeout_s})"
             )
+        if self.max_requeues < 0:
+            raise LaunchError(
+                f"--max-requeues must be 0 or more (got {self.max_requeues}); 0 turns requeueing off"
+            )
 
 
 def _bash_array(name: str, words: list[str]) -> str:
@@ -123,6 +136,9 @@ def _directives(spec: RunSpec, opts: SlurmOptions, log_dir: Path) -> list[str]:
         f"--nodes={spec.shape.nodes}",
         "--ntasks-per-node=1",
         f"--output={log_dir}/slurm-%j.out",
+        # A requeued job runs again under the same id: append, so the first run's log survives.
+        "--open-mode=append",
+        "--requeue" if opts.max_requeues > 0 else "--no-requeue",
         f"--chdir={Path.cwd()}",
         # Secrets (WANDB_API_KEY, HF_TOKEN) travel this way only; see the module docstring.
         "--export=ALL",
@@ -165,7 +181,11 @@ def _container_args(spec: RunSpec, opts: SlurmOptions, log_dir: Path) -> tuple[l
 
 
 def _settings(spec: RunSpec, opts: SlurmOptions, log_dir: Path, environ: dict[str, str] | None) -> list[str]:
-    driver = ["bash", "-c", opts.driver_cmd] if opts.driver_cmd else spec.train_command()
+    if opts.driver_cmd:
+        driver, restart = ["bash", "-c", opts.driver_cmd], []
+    else:
+        driver = spec.train_command() + auto_resume_overrides(spec)
+        restart = ["python3", "-m", "rlhf_megatron.launch.restart", "--run-dir", str(spec.run_dir)]
     srun_args, exec_prefix = _container_args(spec, opts, log_dir)
     values, secrets = passthrough_env(environ)
     pattern = "^(" + "|".join([p + ".*" for p in PASSTHROUGH_PREFIXES] + list(PASSTHROUGH_NAMES)) + ")$"
@@ -174,10 +194,13 @@ def _settings(spec: RunSpec, opts: SlurmOptions, log_dir: Path, environ: dict[st
         f"GPUS_PER_NODE={spec.shape.gpus_per_node}",
         f"CPUS_PER_NODE={opts.cpus_per_node or ''}",
         f"JOIN_TIMEOUT={opts.join_timeout_s}",
+        f"MAX_REQUEUES={opts.max_requeues}",
         f"RUN_DIR={shlex.quote(str(spec.run_dir))}",
         f"LOG_DIR={shlex.quote(str(log_dir))}",
         f"PASSTHROUGH_PATTERN={shlex.quote(pattern)}",
         _bash_array("DRIVER_CMD", driver),
+        # Empty with --driver-cmd: a custom driver reads SLURM_RESTART_COUNT itself.
+        _bash_array("RESTART_CMD", restart),
         _bash_array("RAY_EXTRA_ARGS", opts.ray_start_args),
         _bash_array("CONTAINER_SRUN_ARGS", srun_args),
         _bash_array("CONTAINER_EXEC", exec_prefix),
@@ -270,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="where the script, job output and Ray logs go (default: <trainer.default_local_dir>/slurm)",
     )
+    parser.add_argument(
+        "--max-requeues",
+        type=int,
+        default=3,
+        help="times Slurm may rerun the job after a node failure or `scontrol requeue` (0: never); "
+        "a rerun resumes from the job's last checkpoint",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the batch script; submit nothing")
     return parser
 
@@ -290,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_start_args=shlex.split(args.ray_start_args),
         sbatch_args=args.sbatch_arg,
         log_dir=args.log_dir,
+        max_requeues=args.max_requeues,
     )
     opts.check()  # before loading the config: argument mistakes are cheaper to report first
     spec = load_run(args.config, overrides, args.nodes, args.gpus_per_node)

@@ -17,7 +17,14 @@ from omegaconf import OmegaConf
 from rlhf_megatron.config import load_config
 from rlhf_megatron.config.presets import CONFIGS_DIR
 from rlhf_megatron.launch.common import load_run
-from rlhf_megatron.launch.k8s import CONFIG_DIR, K8sOptions, build_manifests, embedded_config, pod_templates
+from rlhf_megatron.launch.k8s import (
+    CONFIG_DIR,
+    K8sOptions,
+    build_manifests,
+    embedded_config,
+    pod_templates,
+    retry_caveat,
+)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 K8S_VERSION = "1.30"  # a version kubernetes-validate ships schemas for, offline
@@ -135,9 +142,10 @@ def test_manifest_shape(run_config):
     config_map, pvc, job = build_manifests(spec, K8sOptions(image=IMAGE))
     assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
     assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["ttlSecondsAfterFinished"] == 600
+    assert job["spec"]["backoffLimit"] == 3  # retries, each on a new RayCluster (KubeRay >= 1.2)
     assert job["spec"]["entrypoint"] == (
         f"cd /opt/rlhf_megatron && rlhf-megatron train --config {CONFIG_DIR}/config.yaml "
-        "trainer.total_epochs=2 trainer.nnodes=4 trainer.n_gpus_per_node=8"
+        "trainer.total_epochs=2 trainer.nnodes=4 trainer.n_gpus_per_node=8 trainer.resume_mode=auto"
     )
     cluster = job["spec"]["rayClusterSpec"]
     (workers,) = cluster["workerGroupSpecs"]
@@ -199,3 +207,57 @@ def test_secrets_become_env_from(run_config):
     _, _, job = build_manifests(spec, K8sOptions(image=IMAGE, secret_envs=["wandb"]))
     (container,) = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert container["envFrom"] == [{"secretRef": {"name": "wandb"}}]
+
+
+# ---- restarts ------------------------------------------------------------------------
+
+
+def test_retried_job_resumes_from_the_claim(run_config):
+    """A retry runs the same entrypoint on a new RayCluster: the checkpoints must be on the
+    claim (which outlives the RayJob) at the run directory, and the entrypoint must resume."""
+    spec = load_run(run_config, [], nodes=2, gpus_per_node=8)
+    opts = K8sOptions(image=IMAGE, max_retries=5)
+    _, pvc, job = build_manifests(spec, opts)
+    assert job["spec"]["backoffLimit"] == 5
+    assert job["spec"]["entrypoint"].endswith(" trainer.resume_mode=auto")
+    assert "ownerReferences" not in pvc["metadata"]  # not deleted with the RayJob
+    run_dir = f"/opt/rlhf_megatron/{spec.cfg.trainer.default_local_dir}"
+    for label, template in pod_templates(job):
+        (container,) = template["spec"]["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts.get(run_dir) == "checkpoints", f"{label}: no checkpoint volume at {run_dir}"
+        claims = {v["name"]: v.get("persistentVolumeClaim") for v in template["spec"]["volumes"]}
+        assert claims["checkpoints"] == {"claimName": pvc["metadata"]["name"]}
+    assert retry_caveat(spec, opts) is None
+
+
+@pytest.mark.parametrize(
+    "overrides,start",
+    [
+        (["trainer.resume_mode=disable"], "fresh (trainer.resume_mode=disable)"),
+        (
+            ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/global_step_40"],
+            "from /ckpt/global_step_40",
+        ),
+    ],
+    ids=["disable", "resume_path"],
+)
+def test_explicit_resume_is_kept_and_the_retry_caveat_says_so(launch, run_config, overrides, start):
+    spec = load_run(run_config, overrides, nodes=1, gpus_per_node=8)
+    _, _, job = build_manifests(spec, K8sOptions(image=IMAGE))
+    assert "resume_mode=auto" not in job["spec"]["entrypoint"]
+    caveat = retry_caveat(spec, K8sOptions(image=IMAGE))
+    assert caveat is not None and f"a retried RayJob starts {start} again" in caveat
+    assert retry_caveat(spec, K8sOptions(image=IMAGE, max_retries=0)) is None
+    rc, _, err = launch(
+        ["k8s", "--config", run_config, "--image", IMAGE, "--ray-version", "2.40.0", "--", *overrides]
+    )
+    assert rc == 0 and f"warning: {caveat}" in err
+
+
+def test_max_retries_0_and_negative(launch, run_config):
+    spec = load_run(run_config, [], nodes=1, gpus_per_node=8)
+    _, _, job = build_manifests(spec, K8sOptions(image=IMAGE, max_retries=0))
+    assert job["spec"]["backoffLimit"] == 0
+    rc, _, err = launch(["k8s", "--config", run_config, "--image", IMAGE, "--max-retries", "-1"])
+    assert rc == 2 and "--max-retries must be 0 or more" in err

@@ -148,8 +148,9 @@ def test_driver_failure_fails_the_job_with_its_exit_code(slurm, launch, run_conf
 
 # ---- hook for the trainer ------------------------------------------------------------
 # When `rlhf_megatron.trainer.run_training` exists, this runs the real driver
-# (`rlhf-megatron train`, the launcher's default) for one step of the CPU quickstart on
-# the Slurm cluster above, with a tiny random policy of the quickstart's shape.
+# (`rlhf-megatron train`, the launcher's default) for two steps of the CPU quickstart on
+# the Slurm cluster above, with a tiny random policy of the quickstart's shape, and requeues
+# the job in between.
 TRAINER_CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
 
 
@@ -189,9 +190,21 @@ def _tiny_quickstart_inputs(root):
     return model, root / "data"
 
 
-def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
-    import json
+def _wait_for(path: Path, slurm, job_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        state = slurm.job(job_id)["JobState"]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (
+            f"job {job_id} is {state} before {path} appeared"
+        )
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s:.0f} s\n{slurm.logs()}"
+        time.sleep(0.5)
 
+
+def test_job_trains_and_a_requeue_resumes_from_its_checkpoint(slurm, launch, tmp_path, monkeypatch):
+    """The real driver trains 2 steps, saving after each. Once step 1's checkpoint is complete
+    the job is requeued (`scontrol requeue`, what Slurm does after a node failure); the rerun
+    must resume from global_step_1, train step 2 only, and complete."""
     monkeypatch.chdir(ROOT)  # the job runs where it was submitted
     model, data = _tiny_quickstart_inputs(tmp_path)
     run_dir = tmp_path / "run"
@@ -208,8 +221,11 @@ def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
         "2",
         "--join-timeout",
         "120",
+        "--max-requeues",
+        "1",
         "--",
-        "trainer.total_training_steps=1",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=1",
         f"trainer.default_local_dir={run_dir}",
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data}/train.parquet",
@@ -220,10 +236,25 @@ def test_job_trains_one_step(slurm, launch, tmp_path, monkeypatch):
     rc, out, err = launch(argv)
     assert rc == 0, err
     job_id = out.split()[-1]
+    step_1 = run_dir / "global_step_1"
+    _wait_for(step_1 / "trainer_state.json", slurm, job_id, 600)  # written last: the save is complete
+    slurm.run("scontrol", "requeue", job_id)
+    # Slurm holds a requeued job for about two minutes (its BeginTime); release it now.
+    deadline = time.monotonic() + 60
+    while slurm.job(job_id)["JobState"] != "PENDING":
+        assert time.monotonic() < deadline, f"job {job_id} not pending after the requeue: {slurm.job(job_id)}"
+        time.sleep(0.5)
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     info = slurm.wait_job(job_id, 600)
-    output, status = _job_files(run_dir, job_id)
+    output, status = _job_files(run_dir, job_id)  # one output file: the rerun appends to it
     assert (info["JobState"], info["ExitCode"], status) == ("COMPLETED", "0:0", "exit_code=0"), output
+    assert info["Restarts"] == "1" and "Requeue=0" in slurm.run("scontrol", "show", "job", job_id), info
+    assert "restart count 0 " in output and "first run: resuming as the run config says" in output
+    assert "restart count 1 " in output
+    assert f"restart 1: resuming from {step_1} (the newest checkpoint this job wrote)" in output
     assert (run_dir / "resolved_config.yaml").exists()
+    assert (run_dir / "global_step_2" / "trainer_state.json").exists()
+    # The tracker drops records past the step it resumed at, so step 1 appears once: not retrained.
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1], f"the driver should have trained exactly one step, logged {steps}"
+    assert steps == [1, 2], f"expected step 1, then step 2 after the resume; logged {steps}"
     assert_gone(_ray_dir(job_id), f"Ray of job {job_id}")
