@@ -90,6 +90,7 @@ class PPOTrainer:
         n_params: int,
         resume_from: Path | None = None,
         first_step_metrics: dict[str, Any] | None = None,
+        restart_rollout=None,
     ):
         """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
         leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
@@ -97,12 +98,16 @@ class PPOTrainer:
         ``trainer.partial_rollout`` is on; ``n_params`` is the actor's parameters per token (active,
         for MoE), for MFU; ``resume_from`` the verified checkpoint to resume from (``run_training``
         resolves and verifies it before any worker starts); ``first_step_metrics`` are logged with
-        the first step this trainer runs (an in-job restart's ``recovery/*``)."""
+        the first step this trainer runs (an in-job restart's ``recovery/*``); ``restart_rollout``
+        builds the rollout pool's group again (``trainer.max_restarts`` of them: its engines restart
+        alone)."""
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = actor, critic, reward_model
         self.rollout = rollout
-        self.rollout_client = RolloutClient(actor, rollout, interrupts)
+        self.rollout_client = RolloutClient(
+            actor, rollout, interrupts, restart=restart_rollout, max_restarts=run.trainer.max_restarts
+        )
         """Generations and weight pushes (the scheduler's view of the rollout)."""
         self.partial = interrupts is not None
         self.critic_warmup = run.trainer.critic_warmup

@@ -12,6 +12,7 @@ scheduler's) or of the PPO step (the trainer's).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ import torch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.scheduling.worker_group import PendingCall, WorkerGroup, wait_all
 from rlhf_megatron.trainer.rollout_queue import VERSION_KEY
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the driver needs the worker classes' names, not megatron or vLLM
     from rlhf_megatron.workers.actor import ActorRolloutRefWorker
@@ -34,11 +37,38 @@ class RolloutClient:
         actor: WorkerGroup[ActorRolloutRefWorker],
         rollout: WorkerGroup[RolloutWorker] | None = None,
         interrupts: InterruptSignal | None = None,
+        restart: Callable[[], WorkerGroup[RolloutWorker]] | None = None,
+        max_restarts: int = 0,
     ):
-        """``interrupts``: the rollout pool's signal when ``trainer.partial_rollout`` is on."""
+        """``interrupts``: the rollout pool's signal when ``trainer.partial_rollout`` is on;
+        ``restart`` builds the rollout pool's group again, at most ``max_restarts`` times."""
         self.actor, self.rollout, self.interrupts = actor, rollout, interrupts
         self.group: WorkerGroup = rollout if rollout is not None else actor
         """The processes that generate."""
+        self.restart, self.max_restarts = restart, max_restarts
+        self.engine_restarts = 0
+
+    def restart_engines(self, err: BaseException) -> bool:
+        """After a rollout-pool generation failed with ``err``: when its process died or hung (and
+        restarts are left), stop the group, build it again and return True; the caller gives it
+        weights and submits the lost generations again. Colocated engines live in the actor's
+        processes: their failures restart the run (``trainer.recovery``)."""
+        from rlhf_megatron.trainer.recovery import failure_cause
+
+        if self.rollout is None or self.restart is None or self.engine_restarts >= self.max_restarts:
+            return False
+        if getattr(err, "role", None) != "rollout" or failure_cause(err) not in ("died", "hung"):
+            return False
+        logger.warning(
+            "restarting the rollout pool's engines (%d of %d, trainer.max_restarts): %s",
+            self.engine_restarts + 1,
+            self.max_restarts,
+            str(err).splitlines()[0],
+        )
+        self.rollout.kill()
+        self.rollout = self.group = self.restart()
+        self.engine_restarts += 1
+        return True
 
     def submit_generate(
         self,

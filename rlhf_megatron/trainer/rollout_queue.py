@@ -99,6 +99,15 @@ class Rollout(Protocol):
         """Stop the generations in flight at their next engine step; returns the new epoch."""
         ...
 
+    def restart_engines(self, err: BaseException) -> bool:
+        """After a generation failed with ``err``: whether the rollout's engines were built again
+        (they hold no weights yet and ran nothing); False: ``err`` stands."""
+        ...
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """``submit_weights`` and wait."""
+        ...
+
 
 @dataclass
 class _Generation:
@@ -146,6 +155,8 @@ class RolloutScheduler:
         self.next_step = step + 1
         self.rollout_version = actor_version(step, critic_warmup)
         self.dropped = 0
+        self.trained_version = self.rollout_version
+        """The actor's newest weights (its version): what restarted engines receive."""
         self.drawn: tuple[int, Batch] | None = None
         """(step, prompts) drawn ahead of their generation's submission (``draw_ahead``)."""
 
@@ -179,13 +190,30 @@ class RolloutScheduler:
 
     def _finish(self, gen: _Generation) -> Batch:
         if gen.batch is None:
-            gen.batch = self.rollout.finish_generate(gen.pending, self.rollout_version)
+            try:
+                gen.batch = self.rollout.finish_generate(gen.pending, self.rollout_version)
+            except Exception as err:
+                if self.partial or not self.rollout.restart_engines(err):
+                    raise
+                self._rerun_after_restart(gen)
+                gen.batch = self.rollout.finish_generate(gen.pending, self.rollout_version)
             gen.pending = None
             if gen.started is None:
                 gen.started = gen.batch.meta_info.get("gen_start")
             elif "gen_start" in gen.batch.meta_info:
                 gen.batch.meta_info["gen_start"] = gen.started
         return gen.batch
+
+    def _rerun_after_restart(self, failed: _Generation) -> None:
+        """The rollout's engines were built again: give them the actor's newest weights and submit
+        every generation they lost, in order, with its own prompts and seed. A lost generation
+        runs on weights as new as or newer than those it was submitted with, so its lag only
+        shrinks (the run is no longer bit-identical to one without the failure)."""
+        self.rollout.push_weights(self.trained_version)
+        self.rollout_version = self.trained_version
+        for gen in [failed, *(g for g in self.queue if g is not failed)]:
+            if gen.batch is None:
+                gen.pending = self.rollout.submit_generate(gen.prompts, gen.seed, log_probs=self.log_probs)
 
     def _continue(self) -> None:
         """Partial rollout, after a sync: resubmit every queued generation that was cut short."""
@@ -249,6 +277,11 @@ class RolloutScheduler:
             "async/dropped_samples": float(self.dropped),
             "async/rollout_version": float(self.rollout_version),
             "async/queued_batches": float(len(self.queue)),
+            **(
+                {"recovery/engine_restarts": float(self.rollout.engine_restarts)}
+                if getattr(self.rollout, "engine_restarts", 0)
+                else {}
+            ),
             "timing_s/wait_gen": time.perf_counter() - start,
         }
 
@@ -287,6 +320,7 @@ class RolloutScheduler:
         a worker runs calls in order, so the sync and the next generation wait on the worker behind
         the update instead of for the driver to read the update's result first."""
         version = actor_version(step, self.critic_warmup)
+        self.trained_version = version
         if version == self.rollout_version or len(self.queue) > 1:
             return dict
         return self._submit_sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
@@ -307,6 +341,8 @@ class RolloutScheduler:
         # costs nothing and blames a failure on the call that met it (a generation, not the sync).
         for gen in self.queue:
             self._finish(gen)
+        if version == self.rollout_version:  # restarted engines got these weights already
+            return dict
         wait = self.rollout.submit_weights(version)
         self.rollout_version = version
         if fill_from is not None:

@@ -202,8 +202,6 @@ def _with_judge(run: RunConfig, tokenizer, reward_fns: tuple):
 
 def _worker_groups(run: RunConfig, context: RunContext):
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
-    from rlhf_megatron.scheduling.worker_group import wait_all
-    from rlhf_megatron.weights.cross_pool import CrossPoolRoute
     from rlhf_megatron.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
     from rlhf_megatron.workers.rollout import RolloutWorker
 
@@ -247,19 +245,50 @@ def _worker_groups(run: RunConfig, context: RunContext):
         raise
     if starting is not None:
         starting.result()
-    sync_address = None
-    if "rollout" in groups:
-        actor, rollout_group = groups["actor"], groups["rollout"]
-        route = CrossPoolRoute.of(rollout_group.world_size)
-        host, port = actor.nodes[0]["ip"], actor.call("node_info")["free_port"]
-        wait_all(
-            [
-                actor.submit("join_sync_group", host, port, route),
-                rollout_group.submit("join_sync_group", host, port, route),
-            ]
-        )
-        sync_address = (host, port)
+    sync_address = _join_sync(groups["actor"], groups["rollout"]) if "rollout" in groups else None
     return pools, groups, sync_address
+
+
+def _join_sync(actor, rollout_group) -> tuple[str, int]:
+    """The process group spanning both pools (the trainer's rank 0 hosts it); a rollout group
+    built again joins a new one (``RolloutWorker.join_sync_group``, the actor's replaces its own)."""
+    from rlhf_megatron.scheduling.worker_group import wait_all
+    from rlhf_megatron.weights.cross_pool import CrossPoolRoute
+
+    route = CrossPoolRoute.of(rollout_group.world_size)
+    host, port = actor.nodes[0]["ip"], actor.call("node_info")["free_port"]
+    wait_all(
+        [
+            actor.submit("join_sync_group", host, port, route),
+            rollout_group.submit("join_sync_group", host, port, route),
+        ]
+    )
+    return host, port
+
+
+def _rollout_restarter(run: RunConfig, context: RunContext, pools: list, groups: dict):
+    """A function that builds the rollout pool's group again on its placement group (the dead
+    group's bundles are free once it is killed), starts its engines and joins the weight stream;
+    it replaces ``groups["rollout"]`` (so teardown stops the new group). None when colocated."""
+    if "rollout" not in groups:
+        return None
+    from rlhf_megatron.scheduling import WorkerGroup
+    from rlhf_megatron.workers.rollout import RolloutWorker
+
+    rollout_pool = pools[-1]
+
+    def restart():
+        group = WorkerGroup(
+            "rollout", rollout_pool, RolloutWorker, {"section": run.actor_rollout_ref, "context": context}
+        )
+        groups["rollout"] = group
+        group.call("init_model")
+        _join_sync(groups["actor"], group)
+        if run.trainer.step_timeout_s is not None:
+            group.call_timeout_s = run.trainer.step_timeout_s
+        return group
+
+    return restart
 
 
 def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -391,6 +420,11 @@ class _Attempt:
                 from rlhf_megatron.workers.rollout import InterruptSignal
 
                 interrupts = InterruptSignal.connect(*sync_address)
+            # A rollout pool's engines restart alone (the trainer's workers keep going); partial
+            # rollout's interrupt signal lives on the first sync address, so it restarts the run.
+            restart_rollout = (
+                None if interrupts is not None else _rollout_restarter(run, self.context, pools, groups)
+            )
             trainer = PPOTrainer(
                 run,
                 self.context,
@@ -409,6 +443,7 @@ class _Attempt:
                 checkpoints=self.checkpoints,
                 resume_from=resume_from,
                 first_step_metrics=first_step_metrics,
+                restart_rollout=restart_rollout,
             )
             try:
                 history = trainer.fit()

@@ -135,18 +135,36 @@ def test_async_keeps_every_sample_within_max_staleness_and_corrects_off_policy(t
         assert 0 < r["rollout_corr/rollout_is_eff_sample_size"] <= 1
 
 
-def test_rollout_worker_killed_mid_generation_is_reported_by_name(tiny_run_inputs, tmp_path):
+def test_rollout_worker_killed_mid_generation_is_reported_or_restarted_alone(tiny_run_inputs, tmp_path):
+    """Without restarts the death ends the run, named. With ``trainer.max_restarts`` only the rollout
+    pool is built again: it gets the actor's newest weights and runs the lost generation again (same
+    prompts and seed), and the trainer's workers, and every step, carry on."""
+    one_step_off = {"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3}
     proc, records = _run(
-        tiny_run_inputs,
-        tmp_path / "run",
-        env={"RLHF_FAULT": "rollout_gen:2"},
-        **{"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3},
+        tiny_run_inputs, tmp_path / "run", env={"RLHF_FAULT": "rollout_gen:2"}, **one_step_off
     )
     assert proc.returncode != 0
     assert "[rollout] rank 0" in proc.stderr and "process died during generate_sequences" in proc.stderr, (
         proc.stderr[-3000:]
     )
     assert not Path(tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+    (tmp_path / "once").mkdir()
+    proc, records = _run(
+        tiny_run_inputs,
+        tmp_path / "alone",
+        env={"RLHF_FAULT": "rollout_gen:2", "RLHF_FAULT_ONCE_DIR": str(tmp_path / "once")},
+        **one_step_off,
+        **{"trainer.max_restarts": 1, "trainer.restart_backoff_s": 0},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "restarting the rollout pool's engines (1 of 1" in proc.stderr
+    assert [r["step"] for r in records] == [1, 2, 3], "no step lost"
+    assert not (tmp_path / "alone" / "recovery.jsonl").exists(), "the trainer's workers were not restarted"
+    assert [r.get("recovery/engine_restarts", 0) for r in records] == [0, 1, 1]
+    assert all(r["async/staleness_max"] <= 1 for r in records)
+    # Step 2's batch was generated again by the new engines, with the weights after update 1.
+    assert records[1]["async/staleness_max"] == 0 and records[1]["async/rollout_version"] == 1
 
 
 def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(tiny_run_inputs, tmp_path):

@@ -250,3 +250,56 @@ def test_partial_rollout_interrupts_at_every_sync_and_continues_under_the_new_we
     assert sum(r["async/partial_samples"] for r in records) > 0
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
     assert records[-1]["async/interrupts"] == sum(e[0] == "interrupt" for e in rollout.events) > 0
+
+
+class _DyingRollout(_Rollout):
+    """The recorder, whose engines die during one chosen generation and can be built again."""
+
+    def __init__(self, dies_at: int):
+        super().__init__()
+        self.dies_at, self.calls, self.engine_restarts = dies_at, 0, 0
+
+    def submit_generate(self, prompts, seed, *, interrupt_epoch=None, log_probs=()):
+        self.calls += 1
+        if self.calls == self.dies_at:
+            self.events.append(("gen dies", seed, self.rollout_holds))
+            return _Dies()
+        return super().submit_generate(prompts, seed, interrupt_epoch=interrupt_epoch, log_probs=log_probs)
+
+    def restart_engines(self, err):
+        self.engine_restarts += 1
+        self.events.append(("restart",))
+        self.rollout_holds = None  # fresh engines hold no trained weights
+        return True
+
+    def push_weights(self, version):
+        return self.submit_weights(version)()
+
+
+class _Dies:
+    def result(self):
+        raise RuntimeError("[rollout] rank 0: process died during generate_sequences")
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_dead_rollout_is_rebuilt_given_the_newest_weights_and_its_lost_generation_rerun(staleness):
+    """Sync and one-step-off: the generation of step 2 dies; the engines are built again, get the
+    actor's newest weights, and the same prompts and seed run again: no step is lost and no
+    sample lags more than the bound."""
+    rollout = _DyingRollout(dies_at=2)
+    sched = _scheduler(rollout, _prompts(), staleness, total=3)
+    lags = []
+    for step in (1, 2, 3):
+        _, metrics = sched.take(step)
+        lags.append(metrics["async/staleness_max"])
+        rollout.events.append(("update", step))
+        sched.after_update(step)
+    lost = ("gen dies", 2, 1) if staleness == 0 else ("gen dies", 2, 0)  # one-step-off: on version 0
+    rerun = [("restart",), ("sync", 1), ("gen", 2, 1)]  # the newest weights, then the same seed
+    start = rollout.events.index(lost)
+    assert rollout.events[start + 1 : start + 5] == (
+        [*rerun, ("update", 2)] if staleness == 0 else [("update", 1), *rerun]
+    )
+    assert rollout.events.count(("sync", 1)) == 1 + (staleness == 0), "no second sync of the same weights"
+    assert metrics["recovery/engine_restarts"] == 1
+    assert max(lags) <= staleness
