@@ -36,6 +36,7 @@ __all__ = [
     "LoraSync",
     "NanPolicy",
     "OnError",
+    "Parallelism",
     "RecomputeGranularity",
     "RecomputeMethod",
     "RolloutIsLevel",
@@ -220,4 +221,10 @@ RolloutMode = _choice(
     "RolloutMode",
     ("sync", "one_step_off", "async"),
     "``trainer.rollout_mode``: how generation and training interleave.",
+)
+Parallelism = _choice(
+    "Parallelism",
+    ("manual", "auto"),
+    "``parallelism``: layout keys as written (manual), or every layout key a preset leaves unset "
+    "searched by the planner (auto).",
 )

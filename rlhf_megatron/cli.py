@@ -84,8 +84,10 @@ def _usage() -> str:
 
 
 def plan_main(argv: list[str]) -> int:
-    """``rlhf-megatron plan CONFIG [key=value ...]``: print the memory plan of a config."""
+    """``rlhf-megatron plan CONFIG [key=value ...] [--auto]``: print the memory plan of a config
+    (with ``--auto`` or ``auto`` layout keys, first the ranking of the layouts that fit)."""
     from rlhf_megatron.config import ConfigError, load_config
+    from rlhf_megatron.config.auto_layout import format_search
     from rlhf_megatron.config.planner import format_plan, plan_memory
 
     parser = argparse.ArgumentParser(prog="rlhf-megatron plan", description=plan_main.__doc__)
@@ -93,16 +95,27 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.nnodes=2")
     parser.add_argument("--gpu-memory-gb", type=float, default=None, help="override trainer.gpu_memory_gb")
     parser.add_argument("--world-size", type=int, default=None, help="override nnodes x n_gpus_per_node")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="parallelism=auto: rank every layout that fits (predicted step time, peak memory), then plan the chosen one",
+    )
     args = parser.parse_intermixed_args(argv)
+    overrides = [*args.overrides, *(["parallelism=auto"] if args.auto else [])]
+    if args.gpu_memory_gb is not None:  # the search must see the memory the plan is made for
+        overrides.append(f"trainer.gpu_memory_gb={args.gpu_memory_gb}")
+    searches = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+            cfg = load_config(args.config, overrides, world_size=args.world_size, on_search=searches.append)
             plan = plan_memory(cfg, gpu_memory_gb=args.gpu_memory_gb, world_size=args.world_size)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
     report_warnings(caught)
+    if searches:
+        print(format_search(searches[0], limit=None if args.auto else 2) + "\n")
     print(format_plan(plan, title=" ".join([args.config, *args.overrides])))
     return 0 if plan.fits else 1
 

@@ -162,6 +162,27 @@ def _stop_ray_head(head: subprocess.Popen) -> None:
             head.kill()
 
 
+TP2_LAYOUT = [
+    "parallelism=manual",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+]
+"""The layout the e2e tests assert on (weights resharded into vLLM TP=2, two actor ranks): the CPU
+quickstart's before ``parallelism: auto``, which picks TP=1 x DP=2 for it now."""
+
+
+def pinned_layout(config) -> list[str]:
+    """``TP2_LAYOUT`` for a preset that leaves its layout to ``parallelism: auto`` (the test's own
+    overrides come after it and win), else nothing."""
+    if not config:
+        return []
+    from rlhf_megatron.config.presets import read_preset_layers
+
+    layers = read_preset_layers(config)
+    auto = [m.get("parallelism") for _, m in layers if "parallelism" in m]
+    return TP2_LAYOUT if auto and auto[-1] == "auto" else []
+
+
 def run_train(config, overrides, env=None, timeout=600, own_ray=False, module="rlhf_megatron.train"):
     """Run the real CLI in a fresh process; returns (CompletedProcess, metric records by step).
 
@@ -179,6 +200,7 @@ def run_train(config, overrides, env=None, timeout=600, own_ray=False, module="r
     else:
         full_env.update(shared_ray_env())
     config_args = ["--config", config] if config else []
+    overrides = [*pinned_layout(config), *overrides]
     proc = subprocess.run(
         [sys.executable, "-m", module, *config_args, *overrides],
         cwd=ROOT,

@@ -1,7 +1,7 @@
 """Step time side by side: this project's GRPO quickstart vs TRL's ``GRPOTrainer``, same task.
 
     .venv/bin/python tools/bench_step.py [--steps 60] [--rounds 1] [--no-trl] [--trl-defaults]
-                                         [--no-quickstart]
+                                         [--no-quickstart] [--no-fastest] [--tp2]
 
 Both train the CPU quickstart's starting policy (``outputs/tiny_model``, built by
 ``tools/make_tiny_model.py`` if missing) on its arithmetic data with the same recipe: 32
@@ -19,7 +19,10 @@ Runs, alternating ``--rounds`` times so machine noise hits all of them alike:
   computing what TRL computes (old and reference log-probs, 4 optimizer steps);
 - ``project_bypass``: the same with verl's ``bypass_mode`` (no old-log-prob pass; ``--no-bypass``
   skips this run);
-- ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (Megatron TP=2, vLLM TP=2);
+- ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (``parallelism: auto`` picks the layout
+  and micro-batches; nothing else tuned);
+- ``quickstart_tp2`` (``--tp2``): ``configs/quickstart_cpu_tp2.yaml`` (Megatron TP=2 + SP, vLLM TP=2,
+  the shipped layout before ``auto``);
 - ``trl``: TRL's ``GRPOTrainer`` in one process with 2 threads, generating with
   ``model.generate`` (TRL's CPU path; its vLLM integration needs CUDA), when TRL is
   importable (the ``dev`` extra installs it), gradient checkpointing off (TRL's fastest
@@ -369,7 +372,7 @@ def _summary(runs: dict[str, list[dict]], warmup: int) -> dict:
             "wall_s": [r["wall_s"] for r in results],
         }
     for trl in ("trl", "trl_defaults"):
-        for name in ("project", "project_bypass", "quickstart"):
+        for name in ("project", "project_bypass", "quickstart", "quickstart_tp2"):
             if name in out and trl in out:
                 ratio = out[trl]["median_s_per_step"] / out[name]["median_s_per_step"]
                 out[f"speedup_{name}_vs_{trl}"] = round(ratio, 2)
@@ -386,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trl-defaults", action="store_true", help="also time TRL with its default gradient checkpointing"
     )
-    parser.add_argument("--no-quickstart", action="store_true", help="skip the TP=2 quickstart run")
+    parser.add_argument("--no-quickstart", action="store_true", help="skip the shipped quickstart run")
+    parser.add_argument("--no-fastest", action="store_true", help="skip the FASTEST run")
+    parser.add_argument(
+        "--tp2", action="store_true", help="also run quickstart_cpu_tp2 (TP=2 + SP, vLLM TP=2)"
+    )
     parser.add_argument("--no-bypass", action="store_true", help="skip the bypass_mode run")
     parser.add_argument("--seed000", action="store_true", help="time seed 000's PPO shape instead")
     parser.add_argument("--repo", type=Path, default=ROOT, help="--seed000: the checkout to run")
@@ -422,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(args.rounds):
             out = Path(tmp) / f"round{round_}"
             out.mkdir()
-            runs.setdefault("project", []).append(_project("project", args.steps, FASTEST, out))
-            if not args.no_bypass:
+            if not args.no_fastest:
+                runs.setdefault("project", []).append(_project("project", args.steps, FASTEST, out))
+            if not args.no_bypass and not args.no_fastest:
                 runs.setdefault("project_bypass", []).append(
                     _project("project_bypass", args.steps, FASTEST + BYPASS, out)
                 )
@@ -433,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs.setdefault("trl_defaults", []).append(_trl(args.steps, out, args.threads, True))
             if not args.no_quickstart:
                 runs.setdefault("quickstart", []).append(_project("quickstart", args.steps, [], out))
+            if args.tp2:
+                runs.setdefault("quickstart_tp2", []).append(
+                    _project("quickstart_tp2", args.steps, [], out, config="quickstart_cpu_tp2")
+                )
     print(json.dumps({"steps": args.steps, "rounds": args.rounds, **_summary(runs, args.warmup)}))
     return 0
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -288,11 +289,15 @@ def load_config(
     *,
     world_size: int | None = None,
     validate: bool = True,
+    on_search: Callable[[Any], None] | None = None,
 ) -> DictConfig:
     """Build the run config: defaults <- ``config_file`` (and its ``base`` chain) <- ``overrides``.
 
     Returns a structured (``RunConfig``), resolved DictConfig. With ``validate`` (the
     default) it has also passed ``validate_config(cfg, world_size)`` and been normalised.
+    Layout keys set to ``auto`` (or left unset under ``parallelism: auto``) are searched first
+    (``auto_layout.resolve_auto``); ``on_search`` receives the ranked ``LayoutSearch`` (the default
+    prints the choice and the runner-up to stderr).
     Raises ``ConfigError`` listing every problem found.
     """
     layers = _Layers()
@@ -314,7 +319,16 @@ def load_config(
             for source, mapping in read_preset_layers(config_file):
                 layers.add(source, mapping)
         layers.add(COMMAND_LINE, parsed)
-    cfg = _build(layers)
+    cfg, auto_keys, followers = _build_with_auto(layers)
+    if auto_keys:
+        # Imported here: the search validates candidates, and validate imports this module's siblings.
+        from rlhf_megatron.config.auto_layout import format_search, resolve_auto
+
+        search = resolve_auto(cfg, auto_keys, world_size=world_size, followers=followers)
+        if on_search is None:
+            print(format_search(search), file=sys.stderr)
+        else:
+            on_search(search)
     if validate:
         # Imported here: validate/normalize import this module's siblings, not the reverse.
         from rlhf_megatron.config.normalize import normalize_config
@@ -323,6 +337,22 @@ def load_config(
         validate_config(cfg, world_size=world_size)
         normalize_config(cfg, world_size=world_size)
     return cfg
+
+
+def _build_with_auto(layers: _Layers) -> tuple[DictConfig, list[str], dict[str, list[str]]]:
+    """``_build`` with the ``auto`` layout values taken out first (the schema's fields are ints):
+    the config at the schema's defaults there, the keys ``parallelism: auto`` searches, and the
+    ref's and critic's keys that follow the searched actor keys."""
+    from rlhf_megatron.config.auto_layout import follower_keys, searchable_keys, take_auto
+
+    taken, errors = take_auto(layers.values)
+    for key in taken:
+        del layers.origin[key]
+    layers.errors += errors
+    set_keys = set(layers.values)
+    cfg = _build(layers)
+    keys = searchable_keys(cfg, taken, set_keys)
+    return cfg, keys, follower_keys(keys, set_keys)
 
 
 def _build(layers: _Layers) -> DictConfig:

@@ -30,6 +30,7 @@ from rlhf_megatron.choices import (
     KLCtrlType,
     NanPolicy,
     OnError,
+    Parallelism,
     RolloutIsLevel,
     RolloutMode,
     Truncation,
@@ -613,6 +614,12 @@ class RunConfig:
 
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """Ray start-up."""
+
+    parallelism: Parallelism = Parallelism.manual
+    """``auto``: the planner chooses every layout key this config leaves unset (actor TP, PP, CP,
+    EP, the rollout's TP, the per-GPU micro-batches) for the fastest predicted step that fits
+    ``trainer.gpu_memory_gb`` (``config/auto_layout.py``); a single key may also be set to ``auto``.
+    ``manual`` (default): the keys as written."""
 
     model_arch: dict[str, Any] | None = None
     """The actor model's Hugging Face ``config.json`` (all of it, or the keys that describe the

@@ -66,6 +66,7 @@ ENUM_CASES = {
     choices.NanPolicy: ("trainer.nan_policy", "is not one of: stop, skip"),
     choices.VerifyCheckpoint: ("trainer.verify_checkpoint", "is not one of: sha256, size, none"),
     choices.RolloutMode: ("trainer.rollout_mode", "is not one of: sync, one_step_off, async"),
+    choices.Parallelism: ("parallelism", "is not one of: manual, auto"),
     choices.CheckpointContent: (
         "actor_rollout_ref.actor.checkpoint.contents",
         "has ['bogus']; allowed entries: model, optimizer, extra, hf_model",

@@ -181,7 +181,11 @@ def test_quickstart_cpu_matches_the_spec():
     assert arch.head_dim == 64 and arch.vocab_size < 1000
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.actor_rollout_ref.rollout.n == 8
     assert (cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes) == ("cpu", 2, 1)
-    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    # `parallelism: auto` with the calibrated CPU cost model: no TP on 2 cores, one vLLM per process.
+    assert cfg.parallelism == "auto"
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 1
+    assert cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 1
     assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (16, 8)
     assert cfg.actor_rollout_ref.model.path == "outputs/tiny_model"
     assert cfg.data.train_files == "outputs/data/arith/train.parquet"

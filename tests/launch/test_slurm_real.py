@@ -151,7 +151,7 @@ def test_driver_failure_fails_the_job_with_its_exit_code(slurm, launch, run_conf
 # (`rlhf-megatron train`, the launcher's default) for two steps of the CPU quickstart on
 # the Slurm cluster above, with a tiny random policy of the quickstart's shape, and requeues
 # the job in between.
-TRAINER_CONFIG = ROOT / "configs" / "quickstart_cpu.yaml"
+TRAINER_CONFIG = ROOT / "configs" / "quickstart_cpu_tp2.yaml"
 
 
 def _tiny_quickstart_inputs(root):

@@ -79,7 +79,8 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("overrides, words", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
 def test_config_refused(overrides, words):
     with pytest.raises(ConfigError) as info:
-        load_config("quickstart_cpu", overrides)
+        # The layout written out (TP=2): `parallelism: auto` would search around an explicit PP=2.
+        load_config("quickstart_cpu_tp2", overrides)
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} not in: {message}"

@@ -84,7 +84,7 @@ def test_reward_model_scores_match_transformers(models):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = load_config(
-            "quickstart_cpu",
+            "quickstart_cpu_tp2",
             [
                 f"actor_rollout_ref.model.path={actor_path}",
                 "reward_model.enable=true",

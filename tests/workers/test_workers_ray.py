@@ -68,7 +68,7 @@ def _config(model_path, world, **extra):
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config("quickstart_cpu", overrides, validate=False)
+        return load_config("quickstart_cpu_tp2", overrides, validate=False)
 
 
 def _worker_kwargs(cfg, section: str) -> dict:

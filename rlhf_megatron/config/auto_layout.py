@@ -1,0 +1,402 @@
+"""``parallelism: auto``: search the layouts that fit and pick the fastest predicted one.
+
+Role: a layout key set to ``auto`` (actor/ref/critic ``megatron.tensor_model_parallel_size``,
+``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``, the
+rollout's ``tensor_model_parallel_size``, a per-GPU micro-batch), or every such key a config leaves
+unset under the top-level ``parallelism: auto``, is searched here:
+
+1. ``take_auto`` takes the ``auto`` values out of the loader's flat layers before the typed merge
+   (the schema's fields are ints), so the config is built with the schema's defaults there;
+2. ``search_layouts`` enumerates the values of the searched keys (divisors of the world for
+   parallel sizes; for micro-batches, a rank's share of the batch halved down to 1), keeps the
+   candidates ``validate_config`` accepts whose memory plan (``planner.plan_memory``) peaks
+   below ``1 - MEMORY_MARGIN`` of ``trainer.gpu_memory_gb``, and ranks them by the cost model's
+   predicted step time (``cost_model.predict_step``); per layout it keeps the largest
+   micro-batches that fit (fewer passes are faster);
+3. ``resolve_auto`` writes the winner's numbers back into the config, which then goes through the
+   ordinary validation and normalisation. Explicit keys are never changed.
+
+When nothing fits, the error names the role and memory term that overflows in the layout that
+came closest, and what would fit: the largest micro-batches, or the smallest GPU memory and
+GPU count.
+
+Boundaries: no processes; reads and writes a built config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_megatron.config import roles as roles_mod
+from rlhf_megatron.config.arch import arch_for_role
+from rlhf_megatron.config.cost_model import CostConstants, StepCost, load_constants, predict_step
+from rlhf_megatron.config.errors import ConfigError
+from rlhf_megatron.config.planner import GIB, MemoryPlan, plan_memory
+from rlhf_megatron.config.roles import MICRO_BATCH_SPECS, ROLE_SECTIONS
+
+__all__ = [
+    "AUTO",
+    "LAYOUT_KEYS",
+    "MEMORY_MARGIN",
+    "Candidate",
+    "LayoutSearch",
+    "format_search",
+    "resolve_auto",
+    "search_layouts",
+    "searchable_keys",
+    "take_auto",
+]
+
+AUTO = "auto"
+MEMORY_MARGIN = 0.10
+"""Share of ``trainer.gpu_memory_gb`` a chosen layout leaves free (the planner is within ~3% on
+H100; allocator fragmentation and the unmodelled take the rest)."""
+MEGATRON_LAYOUT = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+ROLLOUT_TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+LAYOUT_KEYS = (
+    *(f"{ROLE_SECTIONS[r]}.megatron.{k}" for r in ("actor", "ref", "critic") for k in MEGATRON_LAYOUT),
+    ROLLOUT_TP,
+)
+"""Parallel sizes that accept ``auto``."""
+MICRO_KEYS = tuple(spec.per_gpu_key for spec in MICRO_BATCH_SPECS)
+"""Per-GPU micro-batches that accept ``auto``."""
+
+
+def take_auto(values: dict[str, Any]) -> tuple[set[str], list[str]]:
+    """Remove the ``auto`` values of searchable keys from the loader's flat ``values``; returns
+    them, and one message per other key set to ``auto`` (which does not take it)."""
+    taken, errors = set(), []
+    for key, value in list(values.items()):
+        if value != AUTO:
+            continue
+        if key in LAYOUT_KEYS or key in MICRO_KEYS:
+            taken.add(key)
+            del values[key]
+        elif key.endswith(("_parallel_size", "micro_batch_size")):
+            errors.append(
+                f"{key}=auto: only these keys take auto: {', '.join(LAYOUT_KEYS + MICRO_KEYS)} "
+                "(or the top-level parallelism=auto)"
+            )
+    return taken, errors
+
+
+def searchable_keys(cfg: DictConfig, explicit_auto: set[str], set_keys: set[str]) -> list[str]:
+    """The keys to search: those set to ``auto``, and with ``parallelism: auto`` every layout key
+    of the actor and the rollout and every active role's per-GPU micro-batch that no layer set
+    (ref and critic layouts follow the actor's unless set; a micro-batch given as a global size
+    or a token budget is left alone)."""
+    keys = set(explicit_auto)
+    if cfg.parallelism == AUTO:
+        actor = ROLE_SECTIONS["actor"]
+        keys |= {f"{actor}.megatron.{k}" for k in MEGATRON_LAYOUT} | {ROLLOUT_TP}
+        roles = set(roles_mod.active_roles(cfg))
+        for spec in MICRO_BATCH_SPECS:
+            if spec.role not in roles or OmegaConf.select(cfg, spec.dynamic_key, default=False):
+                continue
+            if spec.role == "reward_model":  # the reward model's micro-batch has no cost term here
+                continue
+            keys.add(spec.per_gpu_key)
+        keys -= {k for k in keys if k in set_keys or _global_key(k) in set_keys}
+    return sorted(keys)
+
+
+FOLLOWERS = ("ref", "critic")
+"""Roles whose layout keys interpolate the actor's (``schema_model.follow_actor_megatron``). The
+loader resolves interpolations before the search, so the search writes the actor's values into
+theirs itself."""
+
+
+def follower_keys(keys: list[str], set_keys: set[str]) -> dict[str, list[str]]:
+    """Searched actor layout key -> the ref's and critic's same key where no layer set it and it
+    is not searched on its own: they take the actor's value, as they would without auto."""
+    actor = f"{ROLE_SECTIONS['actor']}.megatron."
+    out = {}
+    for key in keys:
+        if key.startswith(actor):
+            name = key[len(actor) :]
+            out[key] = [
+                f"{ROLE_SECTIONS[r]}.megatron.{name}"
+                for r in FOLLOWERS
+                if f"{ROLE_SECTIONS[r]}.megatron.{name}" not in set_keys
+                and f"{ROLE_SECTIONS[r]}.megatron.{name}" not in keys
+            ]
+    return out
+
+
+def _global_key(per_gpu_key: str) -> str | None:
+    return next((s.global_key for s in MICRO_BATCH_SPECS if s.per_gpu_key == per_gpu_key), None)
+
+
+@dataclass
+class Candidate:
+    """One layout that passed validation: its values, memory plan and predicted step."""
+
+    values: dict[str, int]
+    plan: MemoryPlan
+    cost: StepCost | None = None
+    fits: bool = False
+
+    @property
+    def peak_gib(self) -> float:
+        return self.plan.peak.total / GIB
+
+    def describe(self) -> str:
+        return describe_values(self.values)
+
+
+@dataclass
+class LayoutSearch:
+    """The ranked candidates (fastest first) and why others were dropped."""
+
+    keys: list[str]
+    ranked: list[Candidate] = field(default_factory=list)
+    too_big: list[Candidate] = field(default_factory=list)
+    invalid: int = 0
+    first_error: ConfigError | None = None
+    """Validation's objections to the first rejected layout (raised when none passes)."""
+    constants: CostConstants | None = None
+
+
+def describe_values(values: dict[str, int]) -> str:
+    """``actor TP1 PP1 CP1 EP1, rollout TP1, micro actor.ppo 32 ref.log_prob 128``."""
+    abbrev = {"tensor": "TP", "pipeline": "PP", "context": "CP", "expert": "EP"}
+    roles: dict[str, list[str]] = {}
+    micro = []
+    for key, value in sorted(values.items()):
+        parts = key.split(".")
+        if key in MICRO_KEYS:
+            micro.append(f"{parts[-2]}.{parts[-1].replace('_micro_batch_size_per_gpu', '')} {value}")
+            continue
+        role = "rollout" if key == ROLLOUT_TP else parts[-3]
+        roles.setdefault(role, []).append(f"{abbrev[parts[-1].split('_')[0]]}{value}")
+    out = [f"{role} {' '.join(sizes)}" for role, sizes in roles.items()]
+    return ", ".join(out + ([f"micro {' '.join(micro)}"] if micro else []))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layout_values(cfg: DictConfig, key: str, world: int) -> list[int]:
+    if key == ROLLOUT_TP:
+        return _divisors(roles_mod.rollout_world_size(cfg, world))
+    arch = arch_for_role(cfg, "actor")[0]
+    if key.endswith("expert_model_parallel_size"):
+        experts = arch.moe.num_experts if arch is not None and arch.moe is not None else 0
+        return [d for d in _divisors(world) if experts % d == 0] if experts else [1]
+    if key.endswith("pipeline_model_parallel_size"):
+        layers = arch.num_layers if arch is not None else world
+        return [d for d in _divisors(world) if d <= layers]
+    return _divisors(world)
+
+
+def _micro_share(cfg: DictConfig, key: str) -> int:
+    """Sequences a DP rank holds in the pass ``key`` sizes (the largest useful micro-batch)."""
+    spec = next(s for s in MICRO_BATCH_SPECS if s.per_gpu_key == key)
+    world = roles_mod.world_size(cfg)
+    dp = roles_mod.data_parallel_size(cfg, spec.role, world) or 1
+    n = cfg.actor_rollout_ref.rollout.n
+    if key in (roles_mod.ACTOR_TRAIN_MICRO.per_gpu_key, roles_mod.CRITIC_TRAIN_MICRO.per_gpu_key):
+        mini = OmegaConf.select(cfg, key.rsplit(".", 1)[0] + ".ppo_mini_batch_size")
+        return max(1, math.ceil(mini * n / dp))
+    return max(1, math.ceil(cfg.data.train_batch_size * n / dp))
+
+
+def _micro_levels(share: int) -> list[int]:
+    """``share``, then halved down to 1: the micro-batches tried, largest first."""
+    out = [share]
+    while out[-1] > 1:
+        out.append(max(1, out[-1] // 2))
+    return out
+
+
+def _write(cfg: DictConfig, values: dict[str, int], followers: dict[str, list[str]]) -> None:
+    for key, value in values.items():
+        for target in (key, *followers.get(key, ())):
+            OmegaConf.update(cfg, target, value, merge=False)
+
+
+def _try(
+    cfg: DictConfig,
+    values: dict[str, int],
+    world: int | None,
+    gpu_gb: float | None,
+    followers: dict[str, list[str]],
+) -> Candidate | ConfigError:
+    """``values`` written into a copy of ``cfg``, planned; validation's error when it rejects them."""
+    from rlhf_megatron.config.normalize import normalize_config
+    from rlhf_megatron.config.validate import validate_config
+
+    trial = cfg.copy()
+    _write(trial, values, followers)
+    try:
+        validate_config(trial, world_size=world)
+        normalize_config(trial, world_size=world)
+        plan = plan_memory(trial, gpu_memory_gb=gpu_gb, world_size=world)
+    except ConfigError as exc:
+        return exc
+    limit = plan.gpu_memory * (1 - MEMORY_MARGIN)
+    # A role the planner cannot size (its checkpoint is not there yet) does not rule a layout out.
+    memory_problems = [p for p in plan.problems if not p.startswith("not planned:")]
+    fits = not memory_problems and all(p.total <= limit for p in plan.phases)
+    cand = Candidate(values=dict(values), plan=plan, fits=fits)
+    cand._cfg = trial  # type: ignore[attr-defined]  # for the cost model, once it fits
+    return cand
+
+
+def search_layouts(
+    cfg: DictConfig,
+    keys: list[str],
+    world_size: int | None = None,
+    gpu_memory_gb: float | None = None,
+    constants: CostConstants | None = None,
+    followers: dict[str, list[str]] | None = None,
+) -> LayoutSearch:
+    """Every combination of the searched layout keys, each with the largest micro-batches that
+    fit; the fitting ones ranked by predicted step time (see the module doc)."""
+    import warnings
+
+    world = roles_mod.world_size(cfg, world_size)
+    constants = constants or load_constants("cpu" if cfg.trainer.device == "cpu" else "cuda")
+    search = LayoutSearch(keys=keys, constants=constants)
+    followers = followers or {}
+    layout_keys = [k for k in keys if k in LAYOUT_KEYS]
+    micro_keys = [k for k in keys if k in MICRO_KEYS]
+    options = [_layout_values(cfg, k, world) for k in layout_keys]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # each candidate would repeat the config's own warnings
+        for combo in itertools.product(*options):
+            layout = dict(zip(layout_keys, combo))
+            base = _try(cfg, layout | {k: 1 for k in micro_keys}, world_size, gpu_memory_gb, followers)
+            if isinstance(base, ConfigError):
+                search.invalid += 1
+                search.first_error = search.first_error or base
+                continue
+            shares = {k: _micro_share(base._cfg, k) for k in micro_keys}  # type: ignore[attr-defined]
+            best = base
+            for level in range(max((len(_micro_levels(s)) for s in shares.values()), default=1)):
+                values = layout | {
+                    k: _micro_levels(s)[min(level, len(_micro_levels(s)) - 1)] for k, s in shares.items()
+                }
+                cand = _try(cfg, values, world_size, gpu_memory_gb, followers) if micro_keys else base
+                if isinstance(cand, Candidate) and cand.fits:
+                    best = cand
+                    break
+            if best.fits:
+                best.cost = predict_step(best._cfg, constants)  # type: ignore[attr-defined]
+                search.ranked.append(best)
+            else:
+                search.too_big.append(best)
+    search.ranked.sort(key=lambda c: c.cost.total if c.cost else math.inf)
+    return search
+
+
+def _overflow(cand: Candidate) -> str:
+    """The phase, role and memory term that make ``cand`` too big."""
+    peak = cand.plan.peak
+    part = max(peak.parts, key=lambda name: peak.parts[name])
+    role = next((r for r in cand.plan.roles if r.role == part), None)
+    if role is None:
+        term = f"{part} {peak.parts[part] / GIB:.2f} GiB"
+    else:
+        terms = {n: getattr(role, n) for n in ("weights", "grads", "optimizer", "activations", "logits")}
+        name = max(terms, key=lambda n: terms[n])
+        term = f"{part}'s {name} {terms[name] / GIB:.2f} GiB (of {peak.parts[part] / GIB:.2f} GiB)"
+    return f"{peak.name} needs {peak.total / GIB:.2f} GiB per GPU, the largest part {term}"
+
+
+def _what_fits(
+    cfg: DictConfig,
+    keys: list[str],
+    world_size: int | None,
+    gpu_gb: float | None,
+    followers: dict[str, list[str]],
+) -> str:
+    """The largest micro-batches (if explicit ones are too big), else the smallest hardware that fits."""
+    explicit_micro = [k for k in MICRO_KEYS if k not in keys and OmegaConf.select(cfg, k) is not None]
+    explicit_micro = [k for k in explicit_micro if k.split(".")[-2] in ("actor", "rollout", "ref", "critic")]
+    if explicit_micro:
+        wider = search_layouts(
+            cfg, sorted(set(keys) | set(explicit_micro)), world_size, gpu_gb, followers=followers
+        )
+        if wider.ranked:
+            best = wider.ranked[0]
+            sizes = ", ".join(f"{k}={best.values[k]}" for k in explicit_micro if k in best.values)
+            return f"the largest micro-batches that fit: {sizes} (or set them to auto)"
+    world = roles_mod.world_size(cfg, world_size)
+    gpu = gpu_gb if gpu_gb is not None else cfg.trainer.gpu_memory_gb
+    options = []
+    for factor in (2, 4, 8, 16, 32, 64, 128):
+        if search_layouts(cfg, keys, world_size, gpu * factor, followers=followers).ranked:
+            options.append(f"{world} GPUs of {gpu * factor:g} GiB (trainer.gpu_memory_gb)")
+            break
+    for factor in (2, 4, 8, 16, 32, 64):
+        if search_layouts(cfg, keys, world * factor, gpu, followers=followers).ranked:
+            options.append(f"{world * factor} GPUs of {gpu:g} GiB (trainer.nnodes x n_gpus_per_node)")
+            break
+    return " or ".join(options) or "no layout of this model and batch up to 64x the GPUs or 128x the memory"
+
+
+def resolve_auto(
+    cfg: DictConfig,
+    keys: list[str],
+    world_size: int | None = None,
+    gpu_memory_gb: float | None = None,
+    followers: dict[str, list[str]] | None = None,
+    constants: CostConstants | None = None,
+) -> LayoutSearch:
+    """Search ``keys`` and write the fastest fitting layout into ``cfg``; raise ``ConfigError``
+    naming what overflows and what would fit when none does."""
+    search = search_layouts(cfg, keys, world_size, gpu_memory_gb, constants, followers)
+    if not search.ranked:
+        world = roles_mod.world_size(cfg, world_size)
+        gpu = gpu_memory_gb if gpu_memory_gb is not None else cfg.trainer.gpu_memory_gb
+        if not search.too_big and search.first_error is not None:
+            # Nothing valid in any layout: validation's own messages say what to change (with the
+            # first layout tried written in), as they would without auto.
+            raise search.first_error
+        closest = min(search.too_big, key=lambda c: c.plan.peak.total)
+        raise ConfigError(
+            [
+                f"parallelism auto: no layout fits {world} GPUs x {gpu:g} GiB with a "
+                f"{MEMORY_MARGIN:.0%} margin; the closest ({closest.describe()}): {_overflow(closest)}. "
+                f"What would fit: {_what_fits(cfg, keys, world_size, gpu_memory_gb, followers or {})}"
+            ]
+        )
+    _write(cfg, search.ranked[0].values, followers or {})
+    return search
+
+
+def format_search(search: LayoutSearch, limit: int | None = 2) -> str:
+    """The choice and the runner-up (or the first ``limit`` ranks; None: all) with predicted
+    memory and step time."""
+    searched = ", ".join(k.replace("actor_rollout_ref.", "").replace(".megatron", "") for k in search.keys)
+    lines = [
+        f"parallelism auto: {len(search.ranked)} layouts fit ({len(search.too_big)} too big, "
+        f"{search.invalid} invalid); searched {searched}"
+    ]
+    if search.constants is not None:
+        lines.append(f"  cost model: {search.constants.source}")
+    shown = search.ranked if limit is None else search.ranked[:limit]
+    for i, cand in enumerate(shown):
+        label = "chosen" if i == 0 else "runner-up" if i == 1 else f"#{i + 1}"
+        phases = (
+            " ".join(f"{k} {v:.2f}" for k, v in cand.cost.phases.items() if v >= 0.005) if cand.cost else ""
+        )
+        lines.append(
+            f"  {label:<9} {cand.describe()}: step {cand.cost.total:.2f} s predicted ({phases}); "
+            f"peak {cand.peak_gib:.2f} of {cand.plan.gpu_memory / GIB:g} GiB ({cand.plan.peak.name})"
+        )
+    for cand in search.too_big[: (None if limit is None else 0)]:
+        lines.append(f"  too big   {cand.describe()}: {_overflow(cand)}")
+    return "\n".join(lines)

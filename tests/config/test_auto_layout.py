@@ -1,0 +1,158 @@
+"""``parallelism: auto`` (``config/auto_layout.py``, ``config/cost_model.py``): the loader takes ``auto``
+out of the typed merge and writes numbers back; the search keeps explicit sizes, picks the fastest
+predicted layout that fits, and says what would fit when none does."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from rlhf_megatron.cli import plan_main
+from rlhf_megatron.config import ConfigError, load_config
+from rlhf_megatron.config.auto_layout import follower_keys, resolve_auto, search_layouts, take_auto
+from rlhf_megatron.config.cost_model import CostConstants, load_constants, phase_features, predict_step
+
+A = "actor_rollout_ref."
+ACTOR_TP = A + "actor.megatron.tensor_model_parallel_size"
+ROLLOUT_TP = A + "rollout.tensor_model_parallel_size"
+TRAIN_MICRO = A + "actor.ppo_micro_batch_size_per_gpu"
+MICRO = [
+    f"{TRAIN_MICRO}=32",
+    A + "rollout.log_prob_micro_batch_size_per_gpu=64",
+    A + "ref.log_prob_micro_batch_size_per_gpu=64",
+]
+MANUAL = ["parallelism=manual", f"{ACTOR_TP}=2", f"{ROLLOUT_TP}=2", *MICRO]
+TP1 = ["parallelism=manual", f"{ACTOR_TP}=1", f"{ROLLOUT_TP}=1", *MICRO]
+
+
+def constants(collective: float) -> CostConstants:
+    """Constants where only TP collectives and layer passes cost anything (a collective costs ``collective`` s)."""
+    return CostConstants(
+        device="cpu",
+        seconds={
+            "train": {"collectives": collective, "layer_passes": 1e-3},
+            "gen": {"engine_steps": 1e-3, "engine_collectives": collective},
+        },
+        source="test",
+    )
+
+
+def test_take_auto_removes_searchable_keys_and_rejects_others():
+    values = {ACTOR_TP: "auto", ROLLOUT_TP: 2, TRAIN_MICRO: "auto", "data.train_batch_size": 8}
+    taken, errors = take_auto(values)
+    assert taken == {ACTOR_TP, TRAIN_MICRO}
+    assert values == {ROLLOUT_TP: 2, "data.train_batch_size": 8}
+    _, errors = take_auto({A + "actor.megatron.virtual_pipeline_model_parallel_size": "auto"})
+    assert "only these keys take auto" in errors[0]
+
+
+def test_loader_resolves_auto_to_numbers_and_keeps_explicit_sizes():
+    seen = []
+    cfg = load_config("quickstart_cpu", [f"{ACTOR_TP}=2", "parallelism=auto"], on_search=seen.append)
+    assert OmegaConf.select(cfg, ACTOR_TP) == 2  # explicit: fixed
+    assert isinstance(OmegaConf.select(cfg, ROLLOUT_TP), int)  # searched, written back as a number
+    assert all(ACTOR_TP not in c.values for c in seen[0].ranked)
+    assert all(c.fits for c in seen[0].ranked)
+    assert OmegaConf.select(cfg, "parallelism") == "auto"
+
+
+def test_manual_keeps_the_config_as_written():
+    cfg = load_config("quickstart_cpu", MANUAL, on_search=lambda s: pytest.fail("searched"))
+    assert (OmegaConf.select(cfg, ACTOR_TP), OmegaConf.select(cfg, ROLLOUT_TP)) == (2, 2)
+
+
+def test_search_ranks_by_the_cost_model():
+    cfg = load_config("quickstart_cpu", MANUAL)
+    keys = [ACTOR_TP, ROLLOUT_TP]
+    cheap = search_layouts(cfg, keys, constants=constants(0.0))
+    costly = search_layouts(cfg, keys, constants=constants(1e-2))
+    # With free collectives every layout costs the same passes; with costly ones, TP 1 wins.
+    assert costly.ranked[0].values == {ACTOR_TP: 1, ROLLOUT_TP: 1}
+    assert costly.ranked[-1].cost.total > costly.ranked[0].cost.total
+    assert {c.values[ACTOR_TP] for c in cheap.ranked} == {1, 2}
+
+
+def test_ref_follows_the_searched_actor_layout():
+    cfg = load_config("quickstart_cpu", [*TP1, f"{ROLLOUT_TP}=2"])
+    assert cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 1  # resolved at load
+    # Re-sharding for vLLM priced high: the actor at vLLM's TP 2 wins, and the reference goes with it.
+    resharding = CostConstants("cpu", {"sync_weights": {"reshards": 10.0}})
+    followers = follower_keys([ACTOR_TP], set())
+    assert followers == {
+        ACTOR_TP: [
+            A + "ref.megatron.tensor_model_parallel_size",
+            "critic.megatron.tensor_model_parallel_size",
+        ]
+    }
+    resolve_auto(cfg, [ACTOR_TP], followers=followers, constants=resharding)
+    assert (
+        OmegaConf.select(cfg, ACTOR_TP) == cfg.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    )
+    # A layer that set the reference's size keeps it.
+    assert follower_keys([ACTOR_TP], {A + "ref.megatron.tensor_model_parallel_size"})[ACTOR_TP] == [
+        "critic.megatron.tensor_model_parallel_size"
+    ]
+
+
+def test_micro_batches_are_the_largest_that_fit():
+    cfg = load_config("quickstart_cpu", MANUAL)
+    search = search_layouts(cfg, [TRAIN_MICRO], constants=constants(1e-3))
+    # TP 2 on 2 processes: DP 1, so one rank holds a whole mini-batch of 8 prompts x 8 responses.
+    assert search.ranked[0].values == {TRAIN_MICRO: 64}
+
+
+def test_cost_features_follow_the_layout():
+    tp1 = phase_features(load_config("quickstart_cpu", TP1))
+    tp2 = phase_features(load_config("quickstart_cpu", MANUAL))
+    assert tp1["update_actor"]["collectives"] < tp2["update_actor"]["collectives"]
+    assert tp1["gen"]["engine_collectives"] == 0 < tp2["gen"]["engine_collectives"]
+    assert tp1["update_actor"]["flops"] == pytest.approx(tp2["update_actor"]["flops"])
+    assert tp1["sync_weights"]["reshards"] == tp2["sync_weights"]["reshards"] == 0
+
+
+def test_calibrated_cpu_model_prefers_tp1_on_the_quickstart():
+    cfg = load_config("quickstart_cpu", MANUAL)
+    c = load_constants("cpu")
+    tp1 = load_config("quickstart_cpu", TP1)
+    assert predict_step(tp1, c).total < predict_step(cfg, c).total
+
+
+def test_nothing_fits_names_the_overflow_and_the_hardware_that_fits():
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart_cpu", ["parallelism=auto", "trainer.gpu_memory_gb=1"])
+    text = str(err.value)
+    assert "no layout fits 2 GPUs x 1 GiB" in text
+    assert "runtime" in text  # the term that overflows
+    assert "What would fit: 2 GPUs of 4 GiB" in text
+
+
+BIG = [
+    "parallelism=auto",
+    A + "model.path=/nonexistent",
+    "model_arch.hidden_size=4096",
+    "model_arch.intermediate_size=11008",
+    "model_arch.num_attention_heads=32",
+    "model_arch.num_key_value_heads=8",
+    "model_arch.head_dim=128",
+    "model_arch.vocab_size=32000",
+    "model_arch.num_hidden_layers=4",
+    "model_arch.max_position_embeddings=4096",
+    "data.max_prompt_length=1024",
+    "data.max_response_length=1024",
+    "trainer.gpu_memory_gb=40",
+    f"{TRAIN_MICRO}=32",
+]
+
+
+def test_an_explicit_micro_batch_too_big_gets_the_largest_that_fits():
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart_cpu", BIG, validate=False)
+    text = str(err.value)
+    assert "actor's activations" in text
+    assert f"the largest micro-batches that fit: {TRAIN_MICRO}=" in text
+
+
+def test_plan_auto_prints_the_ranking(capsys):
+    assert plan_main(["quickstart_cpu", "--auto"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen" in out and "runner-up" in out and "memory plan" in out

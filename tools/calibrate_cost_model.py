@@ -1,0 +1,354 @@
+"""Calibrate the layout search's cost model (``rlhf_megatron/config/cost_model.py``) on this machine.
+
+    .venv/bin/python tools/calibrate_cost_model.py [--steps 15] [--layouts NAME ...]
+                                                   [--from-runs DIR] [--out configs/cost_model/cpu.json]
+    .venv/bin/python tools/calibrate_cost_model.py --gpu   # configs/cost_model/gpu.json from docs/
+
+CPU (default), in three parts:
+
+1. a probe of the hardware the processes share: fp32 matmul throughput of one process at the
+   quickstart's shapes (one thread, as each training process has), and the latency and bandwidth
+   of a gloo all-reduce between two processes;
+2. short runs of the CPU quickstart at several layouts (``LAYOUTS``; each ``--steps`` steps,
+   the first ``--warmup`` left out), whose ``metrics.jsonl`` give the median seconds of every
+   phase (``timing_s/gen``, ``old_log_prob``, ``ref``, ``update_actor``, ``sync_weights``,
+   ``step``); ``--from-runs`` reads the runs of an earlier call instead;
+3. a fit: the probe prices the hardware features (``flops``, ``collective_bytes``,
+   ``sync_bytes``); non-negative least squares over the runs' phases fits the rest (a layer
+   pass, a collective in a step, a vLLM iteration and its TP all-reduces, a re-shard, each
+   phase's fixed cost; ``step`` is what a step spends outside the phases).
+
+Writes the constants, the probe, each run's measured and predicted phases, and the measured and
+predicted orders of the layouts as JSON. ``--gpu`` prices the flops from the H200 MFU
+measurements (``docs/gpu_h200_mfu.json``); its collective and engine constants are nominal (no
+multi-GPU measurement exists yet) and say so in ``source``.
+
+Boundaries: a measurement tool; starts the training CLI in subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlhf_megatron.config.cost_model import COST_MODEL_DIR, FEATURES, PHASES, _group  # noqa: E402
+
+# The quickstart's layouts measured (each also pins the micro-batches, so the runs differ only
+# where named). One vLLM engine per process at rollout TP 1, one engine over both at TP 2.
+TP1 = [
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+]
+TP2 = [
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+]
+MICRO = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
+]
+LAYOUTS: dict[str, list[str]] = {
+    "tp1_dp2_vllm_tp1": [*TP1, *MICRO],
+    "tp2_sp_vllm_tp2": [*TP2, *MICRO],
+    "tp2_nosp_vllm_tp2": [*TP2, "actor_rollout_ref.actor.megatron.sequence_parallel=false", *MICRO],
+    "tp1_dp2_vllm_tp2": [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        *MICRO,
+    ],
+    "tp1_dp2_vllm_tp1_micro8": [
+        *TP1,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    ],
+}
+FIXED_BY_PROBE = {"flops", "collective_bytes", "sync_bytes"}
+"""Features the probe prices. A collective's latency is fitted: inside a training step it also
+waits for the slower rank, which an all-reduce between idle processes does not show."""
+
+
+# ------------------------------------------------------------------------------------- probe
+def _gloo_child(rank: int, port: int, result: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = {}
+    for name, numel, iters in (("small", 256, 300), ("large", 1 << 20, 30)):
+        x = torch.ones(numel)
+        for _ in range(5):
+            dist.all_reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        out[name] = ((time.perf_counter() - start) / iters, numel * 4)
+    if rank == 0:
+        Path(result).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def probe() -> dict:
+    """fp32 matmul FLOP/s of one thread; gloo all-reduce latency (1 KiB) and bandwidth (4 MiB)."""
+    import tempfile
+
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(1536, 256), torch.randn(256, 512)  # 64 sequences x 24 tokens through an MLP
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    reps = 50
+    for _ in range(reps):
+        a @ b
+    flops = 2 * 1536 * 256 * 512 * reps / (time.perf_counter() - start)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = str(Path(tmp) / "gloo.json")
+        port = 29500 + os.getpid() % 1000
+        code = "import sys; sys.path.insert(0, %r); from tools.calibrate_cost_model import _gloo_child; _gloo_child(%d, %d, %r)"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code % (str(ROOT), r, port, result)], env=env)
+            for r in (0, 1)
+        ]
+        for p in procs:
+            p.wait(timeout=120)
+        gloo = json.loads(Path(result).read_text())
+    (t_small, _), (t_large, bytes_large) = gloo["small"], gloo["large"]
+    return {
+        "matmul_flops_per_s": flops,
+        "allreduce_latency_s": t_small,
+        "allreduce_bytes_per_s": bytes_large / max(t_large - t_small, 1e-9),
+    }
+
+
+# -------------------------------------------------------------------------------------- runs
+def run_layout(name: str, overrides: list[str], steps: int, out: Path) -> Path:
+    run_dir = out / name
+    args = [
+        sys.executable,
+        "-m",
+        "rlhf_megatron.train",
+        "--config",
+        "quickstart_cpu",
+        "parallelism=manual",
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.save_freq=-1",
+        "trainer.logger=['jsonl']",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+        *overrides,
+    ]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: the run failed:\n{proc.stderr[-3000:]}")
+    (run_dir / "overrides.json").write_text(json.dumps(overrides))
+    return run_dir
+
+
+def measured_phases(run_dir: Path, warmup: int) -> dict[str, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = records[warmup:]
+    out = {}
+    for phase in (*PHASES, "step"):
+        values = [r[f"timing_s/{phase}"] for r in records if f"timing_s/{phase}" in r]
+        if values:
+            out[phase] = statistics.median(values)
+    return out
+
+
+def run_features(run_dir: Path) -> dict[str, dict[str, float]]:
+    """The cost model's features of a run, from the config it saved."""
+    from omegaconf import OmegaConf
+
+    from rlhf_megatron.config import load_config
+    from rlhf_megatron.config.cost_model import phase_features
+
+    overrides = json.loads((run_dir / "overrides.json").read_text())
+    cfg = load_config("quickstart_cpu", ["parallelism=manual", *overrides])
+    assert OmegaConf.select(cfg, "trainer.device") == "cpu"
+    return phase_features(cfg)
+
+
+# --------------------------------------------------------------------------------------- fit
+def nnls(rows: list[list[float]], target: list[float]) -> list[float]:
+    """Non-negative least squares by trying every subset of columns (a phase has at most 4)."""
+    import itertools
+
+    import numpy as np
+
+    a, b = np.array(rows, dtype=float), np.array(target, dtype=float)
+    best, best_err = [0.0] * a.shape[1], float(np.sum(b**2))
+    for size in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), size):
+            coef = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((a[:, cols] @ coef - b) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = [0.0] * a.shape[1], err
+                for c, v in zip(cols, coef):
+                    best[c] = float(v)
+    return best
+
+
+def fit(probe_result: dict, runs: dict[str, tuple[dict, dict]]) -> dict[str, dict[str, float]]:
+    """Constants per group: the probe's prices, then NNLS of the rest over every run's phases.
+    ``runs``: name -> (measured seconds per phase, features per phase)."""
+    fixed = {
+        "flops": 1.0 / probe_result["matmul_flops_per_s"],
+        "collective_bytes": 1.0 / probe_result["allreduce_bytes_per_s"],
+        "sync_bytes": 1.0 / probe_result["allreduce_bytes_per_s"],
+    }
+    seconds: dict[str, dict[str, float]] = {}
+    for group, names in FEATURES.items():
+        if group == "step":
+            continue
+        free = [n for n in names if n not in FIXED_BY_PROBE]
+        rows, target = [], []
+        for measured, feats in runs.values():
+            for phase, f in feats.items():
+                if _group(phase) != group or phase not in measured:
+                    continue
+                priced = sum(fixed[n] * f.get(n, 0.0) for n in names if n in FIXED_BY_PROBE)
+                rows.append([f.get(n, 0.0) for n in free])
+                target.append(measured[phase] - priced)
+        coef = nnls(rows, target) if rows else [0.0] * len(free)
+        seconds[group] = {n: fixed[n] for n in names if n in FIXED_BY_PROBE} | dict(
+            zip(free, map(float, coef))
+        )
+    # What a step spends outside the phases (reward, advantages, the driver), layout-independent.
+    rest = [m["step"] - sum(v for k, v in m.items() if k in PHASES) for m, _ in runs.values() if "step" in m]
+    seconds["step"] = {"fixed": max(0.0, statistics.median(rest)) if rest else 0.0}
+    return seconds
+
+
+def predict(seconds: dict, feats: dict) -> dict[str, float]:
+    return {
+        phase: sum(seconds.get(_group(phase), {}).get(n, 0.0) * v for n, v in f.items())
+        for phase, f in feats.items()
+    }
+
+
+def gpu_constants() -> dict:
+    """GPU constants: Megatron's achieved FLOP/s from the H200 MFU runs; the rest nominal."""
+    mfu = json.loads((ROOT / "docs" / "gpu_h200_mfu.json").read_text())
+    peak = mfu["args"]["peak_tflops"] * 1e12
+    update = mfu["variants"]["after"]["update"]["mfu"] * peak
+    log_prob = mfu["variants"]["after"]["log_prob"]["mfu"] * peak
+    flops = 2 / (1 / update + 1 / log_prob)
+    return {
+        "device": "cuda",
+        "source": (
+            "docs/gpu_h200_mfu.json (variant 'after': update and log-prob MFU x 989 TFLOP/s -> "
+            f"{flops / 1e12:.0f} TFLOP/s); collectives, vLLM iterations and sync are NOMINAL "
+            "(NVLink NCCL ~20 us, ~150 GB/s; 15 ms per vLLM iteration) until a multi-GPU calibration runs"
+        ),
+        "seconds": {
+            **{
+                group: {
+                    "flops": 1 / flops,
+                    "layer_passes": 2e-4,
+                    "collectives": 2e-5,
+                    "collective_bytes": 1 / 150e9,
+                    "fixed": 0.05,
+                }
+                for group in ("forward", "update")
+            },
+            "gen": {
+                "flops": 1 / (0.3 * flops),
+                "engine_steps": 0.015,
+                "engine_collectives": 2e-5,
+                "fixed": 0.5,
+            },
+            "sync_weights": {"sync_bytes": 1 / 150e9, "reshards": 0.5, "fixed": 0.2},
+            "step": {"fixed": 0.5},
+        },
+    }
+
+
+def _order(times: dict[str, float]) -> list[str]:
+    return sorted(times, key=times.get)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--runs-dir", type=Path, default=ROOT / "outputs" / "calibrate_cost_model")
+    parser.add_argument("--from-runs", action="store_true", help="fit the runs already in --runs-dir")
+    parser.add_argument("--gpu", action="store_true", help="write gpu.json from the H200 measurements")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.gpu:
+        out = args.out or COST_MODEL_DIR / "gpu.json"
+        out.write_text(json.dumps(gpu_constants(), indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
+    probe_path = args.runs_dir / "probe.json"  # --from-runs fits with the probe of the runs' machine
+    if args.from_runs and probe_path.is_file():
+        probe_result = json.loads(probe_path.read_text())
+    else:
+        probe_result = probe()
+        args.runs_dir.mkdir(parents=True, exist_ok=True)
+        probe_path.write_text(json.dumps(probe_result))
+    print(f"probe: {probe_result}", file=sys.stderr)
+    runs = {}
+    for name in args.layouts:
+        run_dir = args.runs_dir / name
+        if not args.from_runs:
+            start = time.perf_counter()
+            run_layout(name, LAYOUTS[name], args.steps, args.runs_dir)
+            print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        runs[name] = (measured_phases(run_dir, args.warmup), run_features(run_dir))
+    seconds = fit(probe_result, runs)
+    report = {}
+    for name, (measured, feats) in runs.items():
+        predicted = predict(seconds, feats)
+        report[name] = {
+            "overrides": LAYOUTS[name],
+            "measured_s": {k: round(v, 4) for k, v in measured.items()},
+            "predicted_s": {k: round(v, 4) for k, v in predicted.items()},
+            "measured_step_s": round(measured["step"], 4),
+            "predicted_step_s": round(sum(predicted.values()), 4),
+        }
+    measured_order = _order({n: r["measured_step_s"] for n, r in report.items()})
+    predicted_order = _order({n: r["predicted_step_s"] for n, r in report.items()})
+    result = {
+        "device": "cpu",
+        "source": (
+            f"tools/calibrate_cost_model.py on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}: "
+            f"probe + {len(runs)} quickstart layouts x {args.steps} steps"
+        ),
+        "seconds": seconds,
+        "probe": probe_result,
+        "runs": report,
+        "measured_order": measured_order,
+        "predicted_order": predicted_order,
+        "order_matches": measured_order == predicted_order,
+    }
+    out = args.out or COST_MODEL_DIR / "cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("measured_order", "predicted_order", "order_matches")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
