@@ -353,8 +353,9 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
                 resume_from = checkpoints.newest_since(started, first_resume)
                 if resume_from is not None:
                     checkpoints.verify(resume_from, run.trainer.verify_checkpoint)
-                else:
+                else:  # from the start: the data order again, and no record of the lost steps
                     train_loader.load_state_dict(start_of_data)
+                    tracker.rewind(-1)
                 resumed = checkpoints.step_of(resume_from) if resume_from is not None else 0
                 wait = recovery.record(cause, err, attempt.step, resumed)
                 logger.warning(
