@@ -156,3 +156,12 @@ def test_plan_auto_prints_the_ranking(capsys):
     assert plan_main(["quickstart_cpu", "--auto"]) == 0
     out = capsys.readouterr().out
     assert "chosen" in out and "runner-up" in out and "memory plan" in out
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_stored_constants_price_every_feature_group(device):
+    from rlhf_megatron.config.cost_model import FEATURES
+
+    seconds = load_constants(device).seconds
+    assert set(seconds) == set(FEATURES)
+    assert all(set(seconds[group]) <= set(names) for group, names in FEATURES.items())
