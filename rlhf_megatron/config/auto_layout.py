@@ -200,6 +200,19 @@ def _layout_values(cfg: DictConfig, key: str, world: int) -> list[int]:
     return _divisors(world)
 
 
+def _divides_world(cfg: DictConfig, layout: dict[str, int], world: int) -> bool:
+    """Each role's TP x PP x CP (searched or as configured) divides the trainer's world."""
+    for role in ("actor", "ref", "critic"):
+        prefix = f"{ROLE_SECTIONS[role]}.megatron."
+        sizes = [
+            layout.get(prefix + k, OmegaConf.select(cfg, prefix + k) or 1)
+            for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        ]
+        if world % math.prod(sizes):
+            return False
+    return True
+
+
 def _micro_share(cfg: DictConfig, key: str) -> int:
     """Sequences a DP rank holds in the pass ``key`` sizes (the largest useful micro-batch)."""
     spec = next(s for s in MICRO_BATCH_SPECS if s.per_gpu_key == key)
@@ -277,6 +290,9 @@ def search_layouts(
         warnings.simplefilter("ignore")  # each candidate would repeat the config's own warnings
         for combo in itertools.product(*options):
             layout = dict(zip(layout_keys, combo))
+            if not _divides_world(cfg, layout, world):  # what validation would say, without asking it
+                search.invalid += 1
+                continue
             base = _try(cfg, layout | {k: 1 for k in micro_keys}, world_size, gpu_memory_gb, followers)
             if isinstance(base, ConfigError):
                 search.invalid += 1
@@ -321,8 +337,10 @@ def _what_fits(
     world_size: int | None,
     gpu_gb: float | None,
     followers: dict[str, list[str]],
+    closest: Candidate,
 ) -> str:
-    """The largest micro-batches (if explicit ones are too big), else the smallest hardware that fits."""
+    """The largest micro-batches (if explicit ones are too big), else the smallest GPU memory or
+    GPU count on which the closest layout fits (its parallel sizes kept, micro-batches searched)."""
     explicit_micro = [k for k in MICRO_KEYS if k not in keys and OmegaConf.select(cfg, k) is not None]
     explicit_micro = [k for k in explicit_micro if k.split(".")[-2] in ("actor", "rollout", "ref", "critic")]
     if explicit_micro:
@@ -333,15 +351,18 @@ def _what_fits(
             best = wider.ranked[0]
             sizes = ", ".join(f"{k}={best.values[k]}" for k in explicit_micro if k in best.values)
             return f"the largest micro-batches that fit: {sizes} (or set them to auto)"
+    pinned = cfg.copy()
+    _write(pinned, {k: v for k, v in closest.values.items() if k in LAYOUT_KEYS}, followers)
+    micro = [k for k in keys if k in MICRO_KEYS]
     world = roles_mod.world_size(cfg, world_size)
     gpu = gpu_gb if gpu_gb is not None else cfg.trainer.gpu_memory_gb
     options = []
     for factor in (2, 4, 8, 16, 32, 64, 128):
-        if search_layouts(cfg, keys, world_size, gpu * factor, followers=followers).ranked:
+        if search_layouts(pinned, micro, world_size, gpu * factor, followers=followers).ranked:
             options.append(f"{world} GPUs of {gpu * factor:g} GiB (trainer.gpu_memory_gb)")
             break
     for factor in (2, 4, 8, 16, 32, 64):
-        if search_layouts(cfg, keys, world * factor, gpu, followers=followers).ranked:
+        if search_layouts(pinned, micro, world * factor, gpu, followers=followers).ranked:
             options.append(f"{world * factor} GPUs of {gpu:g} GiB (trainer.nnodes x n_gpus_per_node)")
             break
     return " or ".join(options) or "no layout of this model and batch up to 64x the GPUs or 128x the memory"
@@ -370,7 +391,7 @@ def resolve_auto(
             [
                 f"parallelism auto: no layout fits {world} GPUs x {gpu:g} GiB with a "
                 f"{MEMORY_MARGIN:.0%} margin; the closest ({closest.describe()}): {_overflow(closest)}. "
-                f"What would fit: {_what_fits(cfg, keys, world_size, gpu_memory_gb, followers or {})}"
+                f"What would fit: {_what_fits(cfg, keys, world_size, gpu_memory_gb, followers or {}, closest)}"
             ]
         )
     _write(cfg, search.ranked[0].values, followers or {})
