@@ -17,14 +17,14 @@ The step is drawn among those where the moment occurs; the kill fires once per r
 tool checks what a user would: whether it finished (exit 0, every step logged once); the steps
 lost and the restarts (``recovery.jsonl``); complete checkpoints that fail their sha256 manifest
 (corrupt) and ``.global_step_*.tmp`` directories left (partial); Ray and worker processes still
-alive that the trial started (leftover processes); and ``/dev/shm`` entries the trial created
+alive from the trial's own Ray session (leftover processes; another Ray user on the machine
+does not count); and ``/dev/shm`` entries the trial created
 that no live process maps (leftover segments). Prints one JSON object: the totals (goal: every run
 finished, 0 corrupt or partial checkpoints, 0 leftover processes and segments), steps lost per
 trial (max and mean) and one row per trial.
 
 Boundaries: a measurement tool; starts the training CLI in subprocesses with the repository's
-fault hooks (``tests/fault_hooks.py``). Run it alone: another Ray on the machine would count as
-a leftover process.
+fault hooks (``tests/fault_hooks.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ LAYOUTS = {
         ],
     ),
 }
-RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "default_worker.py", "dashboard", "log_monitor")
 
 
 def draw(rng: random.Random, steps: int) -> dict:
@@ -82,15 +81,25 @@ def draw(rng: random.Random, steps: int) -> dict:
     return {"layout": layout, "phase": phase, "step": rng.choice(moments), "rank": rng.choice(ranks)}
 
 
-def _ray_pids() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return {
-        int(line.split(None, 1)[0])
-        for line in out.splitlines()
-        if line.strip()
-        and any(p in line for p in RAY_PROCESSES)
-        and str(os.getpid()) != line.split(None, 1)[0]
-    }
+def _session_pids(driver_pid: int) -> set[int]:
+    """Live processes of the Ray session the trial's driver started (``/tmp/ray/session_*_<pid>``):
+    those naming it on their command line (raylet, GCS, agents) or writing their output into it
+    (Ray's workers). Another Ray user on the machine does not count."""
+    sessions = [p.name for p in Path("/tmp/ray").glob(f"session_*_{driver_pid}")]
+    if not sessions:
+        return set()
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            seen = proc.joinpath("cmdline").read_bytes().decode(errors="replace")
+            seen += " ".join(
+                os.readlink(proc / "fd" / fd) for fd in ("1", "2") if (proc / "fd" / fd).exists()
+            )
+        except OSError:
+            continue
+        if any(name in seen for name in sessions):
+            pids.add(int(proc.name))
+    return pids
 
 
 def _shm() -> set[str]:
@@ -153,9 +162,12 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
         "RLHF_FAULT_HOOKS": str(HOOKS),
         "WANDB_MODE": "offline",
     }
-    ray_before, shm_before = _ray_pids(), _shm()
+    shm_before = _shm()
     start = time.monotonic()
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    with subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        _, stderr = proc.communicate(timeout=1800)
     seconds = time.monotonic() - start
     time.sleep(2)  # Ray's processes exit just after the driver
     records = []
@@ -179,10 +191,10 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
         "steps_lost": sum(e["steps_lost"] for e in events),
         "corrupt_checkpoints": corrupt,
         "partial_checkpoints": partial,
-        "leftover_processes": len(_ray_pids() - ray_before),
+        "leftover_processes": len(_session_pids(proc.pid)),
         "leftover_shm": leftover_shm,
         "seconds": round(seconds, 1),
-        "error": "" if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1][:300],
+        "error": "" if proc.returncode == 0 else stderr.strip().splitlines()[-1][:300],
     }
 
 
