@@ -15,7 +15,8 @@ checkpoint and a validation every 2 steps):
 The step is drawn among those where the moment occurs; the kill fires once per run
 (``RLHF_FAULT_ONCE_DIR``: the restarted workers count their steps from 1 again). After the run the
 tool checks what a user would: whether it finished (exit 0, every step logged once); the steps
-lost and the restarts (``recovery.jsonl``); complete checkpoints that fail their sha256 manifest
+lost and the restarts of the run (``recovery.jsonl``) and of the rollout pool alone
+(``recovery/engine_restarts``); complete checkpoints that fail their sha256 manifest
 (corrupt) and ``.global_step_*.tmp`` directories left (partial); Ray and worker processes still
 alive from the trial's own Ray session (leftover processes; another Ray user on the machine
 does not count); and ``/dev/shm`` entries the trial created
@@ -187,6 +188,7 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
         "finished": proc.returncode == 0 and trained == list(range(1, steps + 1)),
         "returncode": proc.returncode,
         "restarts": len(events),
+        "engine_restarts": int(max((r.get("recovery/engine_restarts", 0) for r in records), default=0)),
         "causes": [e["cause"] for e in events],
         "steps_lost": sum(e["steps_lost"] for e in events),
         "corrupt_checkpoints": corrupt,
@@ -205,6 +207,7 @@ def summarize(rows: list[dict]) -> dict:
         "faults_fired": sum(r["fired"] for r in rows),
         "finished": sum(r["finished"] for r in rows),
         "restarts": sum(r["restarts"] for r in rows),
+        "engine_restarts": sum(r.get("engine_restarts", 0) for r in rows),
         "steps_lost_max": max(lost, default=0),
         "steps_lost_mean": round(sum(lost) / max(len(lost), 1), 3),
         "corrupt_checkpoints": sum(r["corrupt_checkpoints"] for r in rows),
