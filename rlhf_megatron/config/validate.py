@@ -41,6 +41,7 @@ from rlhf_megatron.config.validate_batch import (
     check_mini_batch_divisible_by_micro,
 )
 from rlhf_megatron.config.validate_layout import (
+    check_context_parallel_backend,
     check_expert_parallel,
     check_layers_divisible_by_pp,
     check_model_arch_matches_checkpoint,
@@ -270,6 +271,7 @@ SIZE_RULES: tuple[Rule, ...] = (
     check_tp_divides_heads,
     check_layers_divisible_by_pp,
     check_world_divisible,
+    check_context_parallel_backend,
     check_mini_batch_divides_train_batch,
     check_batch_divisible_by_dp,
     check_micro_batch_sizes,

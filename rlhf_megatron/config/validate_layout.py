@@ -138,6 +138,28 @@ def check_world_divisible(ctx: ValidationContext) -> list[str]:
     return out
 
 
+def check_context_parallel_backend(ctx: ValidationContext) -> list[str]:
+    """Context parallelism runs in transformer-engine's attention only: megatron's local layers
+    (CPU, ``transformer_impl=local``, or an actor with LoRA adapters) cannot split a sequence."""
+    from rlhf_megatron.config.planner import transformer_impl
+
+    out = []
+    lora = ctx.run.actor_rollout_ref.model.lora_rank > 0
+    for role in ctx.roles:
+        m = ctx.megatron(role)
+        if m.context_parallel_size <= 1:
+            continue
+        impl = transformer_impl(ctx.run, m, lora=lora and role in ("actor", "ref"))
+        if impl != "transformer_engine":
+            where = "on CPU" if ctx.run.trainer.device == "cpu" else f"with megatron's {impl} layers"
+            out.append(
+                f"{ROLE_SECTIONS[role]}.megatron.context_parallel_size={m.context_parallel_size}: context "
+                f"parallelism needs transformer-engine attention, which this role does not use {where}; "
+                "set it to 1 (or transformer_impl=transformer_engine on GPU)"
+            )
+    return out
+
+
 def check_rollout_tp(ctx: ValidationContext) -> list[str]:
     """vLLM's TP size divides the processes that run the rollout (the actor's world, or the rollout's
     own pool) and the model's attention heads."""

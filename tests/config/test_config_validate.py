@@ -246,6 +246,13 @@ CASES = {
             "reward_model.overlong_buffer.len=100000 is longer than data.max_response_length=",
         ],
     ),
+    V.check_context_parallel_backend: (
+        ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2"],
+        [
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2: context parallelism needs "
+            "transformer-engine attention, which this role does not use on CPU; set it to 1",
+        ],
+    ),
     V.check_rollout_placement: (
         ["trainer.rollout_mode=one_step_off"],
         [
