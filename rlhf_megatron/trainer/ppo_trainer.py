@@ -270,6 +270,8 @@ class PPOTrainer:
         wall = time.time()
         batch, queue_metrics = self.rollouts.take(step)
         metrics.update(queue_metrics)
+        if self.rollout_client.engine_restarts:  # the rollout pool's own restarts so far
+            metrics["recovery/engine_restarts"] = float(self.rollout_client.engine_restarts)
         # The generating ranks' own clock: the generation may have started during the previous
         # step (a rollout pool's, or one queued behind the weight sync).
         gen_start, gen_end = batch.meta_info.get("gen_start"), batch.meta_info.get("gen_end")

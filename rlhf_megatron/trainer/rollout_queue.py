@@ -277,11 +277,6 @@ class RolloutScheduler:
             "async/dropped_samples": float(self.dropped),
             "async/rollout_version": float(self.rollout_version),
             "async/queued_batches": float(len(self.queue)),
-            **(
-                {"recovery/engine_restarts": float(self.rollout.engine_restarts)}
-                if getattr(self.rollout, "engine_restarts", 0)
-                else {}
-            ),
             "timing_s/wait_gen": time.perf_counter() - start,
         }
 

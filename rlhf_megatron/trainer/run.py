@@ -203,7 +203,6 @@ def _with_judge(run: RunConfig, tokenizer, reward_fns: tuple):
 def _worker_groups(run: RunConfig, context: RunContext):
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
-    from rlhf_megatron.workers.rollout import RolloutWorker
 
     trainer, plan = run.trainer, context.plan
     use_gpu = is_cuda() and trainer.device != "cpu"
@@ -230,9 +229,7 @@ def _worker_groups(run: RunConfig, context: RunContext):
         )
         rollout_pool.create()
         pools.append(rollout_pool)
-        groups["rollout"] = WorkerGroup(
-            "rollout", rollout_pool, RolloutWorker, {"section": run.actor_rollout_ref, "context": context}
-        )
+        groups["rollout"] = _rollout_group(run, context, rollout_pool)
     # The rollout pool's vLLM starts while the trainer's roles build their models, one role at a time.
     starting = groups["rollout"].submit("init_model") if "rollout" in groups else None
     try:
@@ -266,26 +263,33 @@ def _join_sync(actor, rollout_group) -> tuple[str, int]:
     return host, port
 
 
+def _rollout_group(run: RunConfig, context: RunContext, pool):
+    """The rollout pool's worker group (its engines not started yet: ``init_model``)."""
+    from rlhf_megatron.scheduling import WorkerGroup
+    from rlhf_megatron.workers.rollout import RolloutWorker
+
+    return WorkerGroup("rollout", pool, RolloutWorker, {"section": run.actor_rollout_ref, "context": context})
+
+
+def _arm_step_deadline(run: RunConfig, groups) -> None:
+    """``trainer.step_timeout_s``: after start-up, a call of a step that makes no progress is a hang."""
+    if run.trainer.step_timeout_s is not None:
+        for group in groups:
+            group.call_timeout_s = run.trainer.step_timeout_s
+
+
 def _rollout_restarter(run: RunConfig, context: RunContext, pools: list, groups: dict):
     """A function that builds the rollout pool's group again on its placement group (the dead
     group's bundles are free once it is killed), starts its engines and joins the weight stream;
     it replaces ``groups["rollout"]`` (so teardown stops the new group). None when colocated."""
     if "rollout" not in groups:
         return None
-    from rlhf_megatron.scheduling import WorkerGroup
-    from rlhf_megatron.workers.rollout import RolloutWorker
-
-    rollout_pool = pools[-1]
 
     def restart():
-        group = WorkerGroup(
-            "rollout", rollout_pool, RolloutWorker, {"section": run.actor_rollout_ref, "context": context}
-        )
-        groups["rollout"] = group
+        group = groups["rollout"] = _rollout_group(run, context, pools[-1])
         group.call("init_model")
         _join_sync(groups["actor"], group)
-        if run.trainer.step_timeout_s is not None:
-            group.call_timeout_s = run.trainer.step_timeout_s
+        _arm_step_deadline(run, [group])
         return group
 
     return restart
@@ -334,9 +338,17 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     started, first_resume = time.time(), resume_from
     start_of_data = train_loader.state_dict()  # what a restart without a checkpoint starts from
     attempt = _Attempt(
-        run, context, reward_fn, val_reward_fn, train_loader, val_loader, tokenizer, tracker, checkpoints
+        run,
+        context,
+        reward_fn,
+        val_reward_fn,
+        train_loader,
+        val_loader,
+        tokenizer,
+        tracker,
+        checkpoints,
+        n_params=count_parameters(arch).active,  # per-token compute (MoE: the routed experts only)
     )
-    attempt.n_params = count_parameters(arch).active  # per-token compute (MoE: the routed experts only)
     try:
         if judge is not None:  # the LLM judge's engine, in the driver or on its own Ray pool
             judge.start()
@@ -396,12 +408,13 @@ class _Attempt:
         tokenizer,
         tracker,
         checkpoints,
+        n_params: int,
     ):
         self.run_cfg, self.context = run, context
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.train_loader, self.val_loader = train_loader, val_loader
         self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
-        self.n_params = 0
+        self.n_params = n_params
         self.step = 0
         self.stopped: StopTraining | None = None
 
@@ -413,9 +426,7 @@ class _Attempt:
         pools, groups, trainer, failed = [], None, None, True
         try:
             pools, groups, sync_address = _worker_groups(run, self.context)
-            if run.trainer.step_timeout_s is not None:  # a call of a step that makes no progress is a hang
-                for group in groups.values():
-                    group.call_timeout_s = run.trainer.step_timeout_s
+            _arm_step_deadline(run, groups.values())
             interrupts = None
             if run.trainer.partial_rollout and sync_address is not None:
                 from rlhf_megatron.workers.rollout import InterruptSignal
