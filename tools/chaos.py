@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rlhf_megatron.platform.shm import left_behind, shm_names  # noqa: E402
+
 HOOKS = ROOT / "tests" / "fault_hooks.py"
 STEPS_DEFAULT = 4
 EVERY = 2  # save_freq and test_freq
@@ -103,26 +106,8 @@ def _session_pids(driver_pid: int) -> set[int]:
     return pids
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _mapped_shm() -> set[str]:
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        names.update(
-            line.split("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line
-        )
-    return names
-
-
 def check_checkpoints(run_dir: Path) -> tuple[int, int]:
     """(corrupt, partial): complete checkpoints failing their manifest, temporary dirs left."""
-    sys.path.insert(0, str(ROOT))
     from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 
     manager = CheckpointManager(run_dir)
@@ -163,7 +148,7 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
         "RLHF_FAULT_HOOKS": str(HOOKS),
         "WANDB_MODE": "offline",
     }
-    shm_before = _shm()
+    shm_before = shm_names()
     start = time.monotonic()
     with subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -179,7 +164,7 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
     if (run_dir / "recovery.jsonl").is_file():
         events = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     corrupt, partial = check_checkpoints(run_dir)
-    leftover_shm = sorted(n for n in _shm() - shm_before - _mapped_shm() if not n.startswith("sem."))
+    leftover_shm = sorted(left_behind(shm_before))
     return {
         "trial": n,
         **fault,

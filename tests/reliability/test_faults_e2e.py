@@ -14,7 +14,6 @@ pre-emption (``RLHF_STOP_AFTER_STEP``) then resume is tested beside the runs it 
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
 
+from rlhf_megatron.platform.shm import left_behind, shm_names
 from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -34,31 +34,6 @@ BOUND_S = 150  # a fault must be reported well within this (start-up included)
 
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _mapped_shm() -> set[str]:
-    """The /dev/shm names some live process maps (a test running beside this one has its own)."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:  # the process exited, or is not ours to read
-            continue
-        names.update(
-            line.split("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line
-        )
-    return names
-
-
-def _left_behind(before: set[str]) -> set[str]:
-    """Segments that appeared since ``before`` and no live process maps: what dead processes left.
-    Python's named semaphores (``sem.mp-*``, made by multiprocessing queues in tests running beside
-    this one, which pass them to their children by name) are not vLLM's and are left out."""
-    return {n for n in _shm() - before - _mapped_shm() if not n.startswith("sem.")}
 
 
 def _marker(run: Path) -> str:
@@ -110,7 +85,7 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
     tiny_run_inputs, tmp_path, reference_run, fault, rank, method
 ):
     run = tmp_path / "run"
-    start, shm_before = time.monotonic(), _shm()
+    start, shm_before = time.monotonic(), shm_names()
     proc, records = run_train(
         "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": fault}
     )
@@ -121,7 +96,7 @@ def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_m
     assert time.monotonic() - start < BOUND_S
     # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
     # killed workers left nothing in /dev/shm for the restart to collide with.
-    assert _left_behind(shm_before) == set()
+    assert left_behind(shm_before) == set()
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
     # Step 2 died before its checkpoint (mid-rollout, or after the update but before vLLM had the
     # new weights): the restart redoes step 2 from checkpoint 1 and must match the reference.
