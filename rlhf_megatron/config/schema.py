@@ -154,7 +154,8 @@ class DataConfig:
     gen_batch_size: int | None = None
     """Prompts per generation round under dynamic sampling (``algorithm.filter_groups``; verl's
     DAPO recipe). Null: ``train_batch_size``. A step generates rounds of this many prompts until
-    ``train_batch_size`` prompts with signal are kept. Unused without dynamic sampling."""
+    ``train_batch_size`` prompts with signal are kept. Refused without dynamic sampling (unless
+    equal to ``train_batch_size``)."""
 
     val_batch_size: int | None = None
     """Prompts per validation batch; null sends the whole validation set at once."""

@@ -240,6 +240,13 @@ def check_dapo(ctx: ValidationContext) -> list[str]:
             f"algorithm.filter_groups.enable=true drops prompts whose responses all score alike, but "
             f"{ROLLOUT}.n={n} gives every prompt one response (every group would be dropped); set {ROLLOUT}.n >= 2"
         )
+    gen = run.data.gen_batch_size
+    if gen is not None and gen != run.data.train_batch_size and not run.algorithm.filter_groups.enable:
+        out.append(
+            f"data.gen_batch_size={gen} sets the prompts of each dynamic-sampling round, but "
+            "algorithm.filter_groups.enable=false: nothing would use it; remove it (or set it to "
+            "data.train_batch_size) or enable algorithm.filter_groups"
+        )
     rm = run.reward_model
     buffer = rm.overlong_buffer
     if buffer.enable and rm.reward_manager != "dapo":

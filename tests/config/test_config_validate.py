@@ -827,3 +827,15 @@ def test_shared_prompt_packing_defaults_on_for_cpu_only():
         False,
     )
     assert packing("trainer.device=cpu", "critic.model.shared_prompt_packing=false") == (True, False)
+
+
+def test_gen_batch_size_without_dynamic_sampling_is_refused_not_ignored():
+    with pytest.raises(ConfigError) as err:
+        validate_config(make_cfg("data.gen_batch_size=96"))
+    assert any(
+        "data.gen_batch_size=96 sets the prompts of each dynamic-sampling round, but "
+        "algorithm.filter_groups.enable=false: nothing would use it" in e
+        for e in err.value.errors
+    ), err.value.errors
+    train = OmegaConf.to_object(make_cfg()).data.train_batch_size
+    validate_config(make_cfg(f"data.gen_batch_size={train}"))  # the same size changes nothing
