@@ -27,6 +27,8 @@ unaffected. Phases, and the point each acts at:
 - ``hang``: at ``actor.update`` the actor worker of that rank sleeps for an hour (a stuck
   process; its peers then wait for it in their first collective), so the driver's
   ``trainer.step_timeout_s`` has something to catch.
+- ``rollout_hang``: the same in a worker of the disaggregated rollout pool, at its
+  ``step``-th training generation (``rollout.generate``): an engine that stops answering.
 
 ``RLHF_FAULT_ONCE_DIR=<dir>`` makes every kill and hang entry act at most once per run, whatever
 the process: the first process to reach it creates ``<dir>/<entry>`` and acts, later ones (the
@@ -165,6 +167,8 @@ def handlers_from_env(env: Mapping[str, str]) -> dict[str, list[Handler]]:
             add(_KILL_POINTS[phase], _kill(entry, once_dir))
         elif phase == "hang":
             add("actor.update", _hang(entry, once_dir))
+        elif phase == "rollout_hang":
+            add("rollout.generate", _hang(entry, once_dir))
         elif phase == "nan":
             add("actor.update", _poison(entry, "advantages", float("nan")))
         elif phase == "critic_nan":

@@ -7,10 +7,15 @@ through the real CLI with in-job recovery on (``trainer.max_restarts=2``, no bac
 checkpoint and a validation every 2 steps):
 
 - colocated (``configs/quickstart_cpu.yaml``): an actor rank (0 or 1) is SIGKILLed during a
-  training generation, an update, a weight sync, a checkpoint save or a validation;
-- one step off (``configs/quickstart_cpu_one_step_off.yaml``): the rollout pool's process during
-  a generation or while it receives weights, or an actor rank during an update, a save or its
-  end of a weight sync.
+  training generation, an update, a weight sync, a checkpoint save or a validation, or hangs
+  in an update;
+- one step off (``configs/quickstart_cpu_one_step_off.yaml``): the rollout pool's process is
+  SIGKILLed during a generation or while it receives weights, or hangs in a generation; or an
+  actor rank is SIGKILLed during an update, a save or its end of a weight sync, or hangs in an
+  update.
+
+A hung process sleeps for an hour: ``trainer.step_timeout_s`` (``HANG_TIMEOUT_S`` here) must
+catch it and name it, and the restart must take it down.
 
 The step is drawn among those where the moment occurs; the kill fires once per run
 (``RLHF_FAULT_ONCE_DIR``: the restarted workers count their steps from 1 again). After the run the
@@ -47,6 +52,7 @@ from rlhf_megatron.platform.shm import left_behind, shm_names  # noqa: E402
 HOOKS = ROOT / "tests" / "fault_hooks.py"
 STEPS_DEFAULT = 4
 EVERY = 2  # save_freq and test_freq
+HANG_TIMEOUT_S = 30  # trainer.step_timeout_s: a quickstart call takes ~1 s, start-up is not timed
 
 # layout -> (config, [(phase, ranks, which steps it can strike at)])
 LAYOUTS = {
@@ -58,6 +64,7 @@ LAYOUTS = {
             ("sync", (0, 1), "steps"),
             ("ckpt", (0, 1), "saves"),
             ("val", (0, 1), "validations"),
+            ("hang", (0, 1), "steps"),
         ],
     ),
     "one_step_off": (
@@ -65,9 +72,11 @@ LAYOUTS = {
         [
             ("rollout_gen", (0,), "steps"),
             ("rollout_sync", (0,), "steps"),
+            ("rollout_hang", (0,), "steps"),
             ("update", (0, 1), "steps"),
             ("ckpt", (0, 1), "saves"),
             ("sync", (0, 1), "steps"),
+            ("hang", (0, 1), "steps"),
         ],
     ),
 }
@@ -137,7 +146,7 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
         "trainer.val_before_train=true",
         "trainer.max_restarts=2",
         "trainer.restart_backoff_s=0",
-        "trainer.step_timeout_s=300",
+        f"trainer.step_timeout_s={HANG_TIMEOUT_S}",
         "trainer.logger=['jsonl']",
         f"trainer.default_local_dir={run_dir}",
     ]
