@@ -44,9 +44,10 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     tiny_run_inputs, tmp_path, reference_run
 ):
     """Without restarts a death ends the run, reported; a new process resumes it. With
-    ``trainer.max_restarts`` the next death (step 3's update) costs no new process: the driver
-    rebuilds the workers, resumes from checkpoint 2 and finishes, and every step still equals
-    the uninterrupted run's."""
+    ``trainer.max_restarts`` neither a hang (rank 0 stops in step 2's update: the deadline names
+    the call and the ranks that never answered) nor the next death (step 3's update) costs a new
+    process: the driver rebuilds the workers, resumes from the newest checkpoint and finishes, and
+    every step still equals the uninterrupted run's."""
     run = tmp_path / "run"
     start = time.monotonic()
     proc, records = run_train(
@@ -59,23 +60,32 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     ]
     assert elapsed < BOUND_S
     assert [r["step"] for r in records] == [1] and _marker(run) == "1"
-    # The resumed process counts its steps from 1: its step 2 is the run's step 3.
+    # The resumed process counts its steps from 1: its step 1 is the run's step 2 (the hang), and
+    # after that restart its workers count from 1 again, so their step 2 is the run's step 3.
     (tmp_path / "once").mkdir()
-    recover = {"trainer.max_restarts": 1, "trainer.restart_backoff_s": 0}
+    recover = {"trainer.max_restarts": 2, "trainer.restart_backoff_s": 0, "trainer.step_timeout_s": 20}
     proc, resumed = run_train(
         "quickstart_cpu",
         train_overrides(tiny_run_inputs, run, **EXTRA, **recover),
-        env={"RLHF_FAULT": "update:2:1", "RLHF_FAULT_ONCE_DIR": str(tmp_path / "once")},
+        env={"RLHF_FAULT": "hang:1:0,update:2:1", "RLHF_FAULT_ONCE_DIR": str(tmp_path / "once")},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "restart 1 of 1 (trainer.max_restarts)" in proc.stderr and "after a died worker" in proc.stderr
+    assert "restart 1 of 2 (trainer.max_restarts)" in proc.stderr and "after a hung worker" in proc.stderr
+    assert "restart 2 of 2 (trainer.max_restarts)" in proc.stderr and "after a died worker" in proc.stderr
     assert _stable(resumed) == _stable(reference_run[1]), "the recovered run must equal the uninterrupted one"
-    assert [r["step"] for r in resumed] == [1, 2, 3], "step 3 is logged once, by the attempt that finished it"
-    assert resumed[2]["recovery/restarts"] == 1 and resumed[2]["recovery/steps_lost"] == 1
-    assert resumed[2]["recovery/cause"] == "died"
-    [event] = [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
-    assert (event["failed_step"], event["resumed_step"]) == (3, 2)
-    assert "[actor] rank 1" in event["message"] and "update_actor" in event["message"]
+    assert [r["step"] for r in resumed] == [1, 2, 3], (
+        "each step is logged once, by the attempt that finished it"
+    )
+    assert resumed[1]["recovery/cause"] == "hung" and resumed[1]["recovery/steps_lost"] == 1
+    assert resumed[2]["recovery/cause"] == "died" and resumed[2]["recovery/steps_lost"] == 1
+    assert resumed[2]["recovery/restarts"] == 2
+    hang, death = [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
+    assert (hang["cause"], hang["failed_step"], hang["resumed_step"]) == ("hung", 2, 1)
+    # Rank 1 waits for rank 0 in the update's first collective, so neither answers: both are named.
+    assert "[actor] ranks" in hang["message"], hang["message"]
+    assert "update_actor did not finish within 20 s on ranks [0, 1]" in hang["message"], hang["message"]
+    assert (death["failed_step"], death["resumed_step"]) == (3, 2)
+    assert "[actor] rank 1" in death["message"] and "update_actor" in death["message"]
 
 
 @pytest.mark.parametrize(
