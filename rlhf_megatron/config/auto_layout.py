@@ -8,11 +8,12 @@ unset under the top-level ``parallelism: auto``, is searched here:
 1. ``take_auto`` takes the ``auto`` values out of the loader's flat layers before the typed merge
    (the schema's fields are ints), so the config is built with the schema's defaults there;
 2. ``search_layouts`` enumerates the values of the searched keys (divisors of the world for
-   parallel sizes; for micro-batches, a rank's share of the batch halved down to 1), keeps the
-   candidates ``validate_config`` accepts whose memory plan (``planner.plan_memory``) peaks
-   below ``1 - MEMORY_MARGIN`` of ``trainer.gpu_memory_gb``, and ranks them by the cost model's
+   parallel sizes, tensor parallelism within a node; for micro-batches, a rank's share of the
+   batch halved down to 1), keeps the candidates ``validate_config`` accepts whose memory plan
+   (``planner.plan_memory``) leaves ``MEMORY_MARGIN`` of ``trainer.gpu_memory_gb`` free in every
+   phase (of what vLLM's budget leaves, where it is awake), and ranks them by the cost model's
    predicted step time (``cost_model.predict_step``); per layout it keeps the largest
-   micro-batches that fit (fewer passes are faster);
+   micro-batches that fit (fewer passes are faster; found by bisection);
 3. ``resolve_auto`` writes the winner's numbers back into the config, which then goes through the
    ordinary validation and normalisation. Explicit keys are never changed.
 
@@ -36,7 +37,7 @@ from rlhf_megatron.config import roles as roles_mod
 from rlhf_megatron.config.arch import arch_for_role
 from rlhf_megatron.config.cost_model import CostConstants, StepCost, load_constants, predict_step
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.planner import GIB, MemoryPlan, plan_memory
+from rlhf_megatron.config.planner import GIB, MemoryPlan, Phase, plan_memory
 from rlhf_megatron.config.roles import MICRO_BATCH_SPECS, ROLE_SECTIONS
 
 __all__ = [
@@ -55,7 +56,8 @@ __all__ = [
 AUTO = "auto"
 MEMORY_MARGIN = 0.10
 """Share of ``trainer.gpu_memory_gb`` a chosen layout leaves free (the planner is within ~3% on
-H100; allocator fragmentation and the unmodelled take the rest)."""
+H100; allocator fragmentation and the unmodelled take the rest). Where vLLM is awake, a share of
+what its budget leaves: the budget is vLLM's own reservation, not an estimate."""
 MEGATRON_LAYOUT = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
@@ -94,12 +96,13 @@ def searchable_keys(cfg: DictConfig, explicit_auto: set[str], set_keys: set[str]
     """The keys to search: those set to ``auto``, and with ``parallelism: auto`` every layout key
     of the actor and the rollout and every active role's per-GPU micro-batch that no layer set
     (ref and critic layouts follow the actor's unless set; a micro-batch given as a global size
-    or a token budget is left alone)."""
-    keys = set(explicit_auto)
+    or a token budget is left alone). A micro-batch set to ``auto`` for a role the run does not
+    have (an overlay's critic under GRPO) is not searched: it keeps the schema's default."""
+    roles = set(roles_mod.active_roles(cfg))
+    keys = set(explicit_auto) - {s.per_gpu_key for s in MICRO_BATCH_SPECS if s.role not in roles}
     if cfg.parallelism == AUTO:
         actor = ROLE_SECTIONS["actor"]
         keys |= {f"{actor}.megatron.{k}" for k in MEGATRON_LAYOUT} | {ROLLOUT_TP}
-        roles = set(roles_mod.active_roles(cfg))
         for spec in MICRO_BATCH_SPECS:
             if spec.role not in roles or OmegaConf.select(cfg, spec.dynamic_key, default=False):
                 continue
@@ -188,8 +191,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def _layout_values(cfg: DictConfig, key: str, world: int) -> list[int]:
+    """The values ``key`` may take. Tensor parallelism (Megatron's and vLLM's) stays inside a node:
+    its collectives run in every layer, so across nodes they would run over the network."""
     if key == ROLLOUT_TP:
-        return _divisors(roles_mod.rollout_world_size(cfg, world))
+        rollout = cfg.actor_rollout_ref.rollout
+        pooled = not getattr(cfg.actor_rollout_ref, "hybrid_engine", True)
+        node = rollout.n_gpus_per_node if pooled else cfg.trainer.n_gpus_per_node
+        return [d for d in _divisors(roles_mod.rollout_world_size(cfg, world)) if d <= node]
+    if key.endswith("tensor_model_parallel_size"):
+        return [d for d in _divisors(world) if d <= cfg.trainer.n_gpus_per_node]
     arch = arch_for_role(cfg, "actor")[0]
     if key.endswith("expert_model_parallel_size"):
         experts = arch.moe.num_experts if arch is not None and arch.moe is not None else 0
@@ -233,10 +243,46 @@ def _micro_levels(share: int) -> list[int]:
     return out
 
 
+def _largest_micro_that_fits(
+    cfg: DictConfig,
+    layout: dict[str, int],
+    micro_keys: list[str],
+    base: Candidate,
+    world_size: int | None,
+    gpu_gb: float | None,
+    followers: dict[str, list[str]],
+) -> Candidate:
+    """The layout with the largest micro-batches that fit, all keys stepping down their halvings
+    together (``base``, every micro-batch 1, fits). Memory grows with the micro-batch, so a
+    bisection over the levels finds it in log2 of the tries a scan would make."""
+    shares = {k: _micro_share(base._cfg, k) for k in micro_keys}  # type: ignore[attr-defined]
+    levels = {k: _micro_levels(s) for k, s in shares.items()}
+    found, lo, hi = base, 0, max(len(v) for v in levels.values()) - 1  # hi: every key at 1 (base)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        values = layout | {k: v[min(mid, len(v) - 1)] for k, v in levels.items()}
+        cand = _try(cfg, values, world_size, gpu_gb, followers)
+        if isinstance(cand, Candidate) and cand.fits:
+            found, hi = cand, mid
+        else:
+            lo = mid + 1
+    return found
+
+
 def _write(cfg: DictConfig, values: dict[str, int], followers: dict[str, list[str]]) -> None:
     for key, value in values.items():
         for target in (key, *followers.get(key, ())):
             OmegaConf.update(cfg, target, value, merge=False)
+
+
+def _leaves_margin(plan: MemoryPlan, phase: Phase) -> bool:
+    """Whether ``phase`` leaves ``MEMORY_MARGIN`` of the GPU free. Where vLLM is awake its part is
+    its budget (``gpu_memory_utilization`` x the GPU), which vLLM keeps to itself by sizing its KV
+    cache, not an estimate; the margin covers the estimated rest, so it is taken on what the
+    budget leaves of the GPU."""
+    reserved = phase.parts.get("vllm", 0.0)
+    reserved = reserved if reserved == plan.rollout.budget else 0.0
+    return phase.total - reserved <= (plan.gpu_memory - reserved) * (1 - MEMORY_MARGIN)
 
 
 def _try(
@@ -258,10 +304,9 @@ def _try(
         plan = plan_memory(trial, gpu_memory_gb=gpu_gb, world_size=world)
     except ConfigError as exc:
         return exc
-    limit = plan.gpu_memory * (1 - MEMORY_MARGIN)
     # A role the planner cannot size (its checkpoint is not there yet) does not rule a layout out.
     memory_problems = [p for p in plan.problems if not p.startswith("not planned:")]
-    fits = not memory_problems and all(p.total <= limit for p in plan.phases)
+    fits = not memory_problems and all(_leaves_margin(plan, p) for p in plan.phases)
     cand = Candidate(values=dict(values), plan=plan, fits=fits)
     cand._cfg = trial  # type: ignore[attr-defined]  # for the cost model, once it fits
     return cand
@@ -298,16 +343,11 @@ def search_layouts(
                 search.invalid += 1
                 search.first_error = search.first_error or base
                 continue
-            shares = {k: _micro_share(base._cfg, k) for k in micro_keys}  # type: ignore[attr-defined]
             best = base
-            for level in range(max((len(_micro_levels(s)) for s in shares.values()), default=1)):
-                values = layout | {
-                    k: _micro_levels(s)[min(level, len(_micro_levels(s)) - 1)] for k, s in shares.items()
-                }
-                cand = _try(cfg, values, world_size, gpu_memory_gb, followers) if micro_keys else base
-                if isinstance(cand, Candidate) and cand.fits:
-                    best = cand
-                    break
+            if base.fits and micro_keys:
+                best = _largest_micro_that_fits(
+                    cfg, layout, micro_keys, base, world_size, gpu_memory_gb, followers
+                )
             if best.fits:
                 best.cost = predict_step(best._cfg, constants)  # type: ignore[attr-defined]
                 search.ranked.append(best)

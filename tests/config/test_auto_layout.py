@@ -165,3 +165,20 @@ def test_stored_constants_price_every_feature_group(device):
     seconds = load_constants(device).seconds
     assert set(seconds) == set(FEATURES)
     assert all(set(seconds[group]) <= set(names) for group, names in FEATURES.items())
+
+
+def test_an_overlays_auto_for_an_absent_role_is_not_searched():
+    """``configs/models/auto.yaml`` sets the critic's micro-batch to auto; a GRPO run has no critic,
+    so that key is not searched (and not printed) and keeps the schema's default."""
+    seen = []
+    critic_micro = "critic.ppo_micro_batch_size_per_gpu"
+    cfg = load_config("quickstart_cpu", [*MANUAL, f"{critic_micro}=auto"], on_search=seen.append)
+    assert not seen, "nothing left to search"
+    assert OmegaConf.select(cfg, critic_micro) == OmegaConf.select(
+        load_config("quickstart_cpu", MANUAL), critic_micro
+    )
+    seen.clear()
+    load_config(
+        "quickstart_cpu", [*MANUAL, f"{critic_micro}=auto", f"{TRAIN_MICRO}=auto"], on_search=seen.append
+    )
+    assert seen and seen[0].keys == [TRAIN_MICRO]
