@@ -47,8 +47,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import run_train, train_command  # noqa: E402
+
 MODEL = ROOT / "outputs" / "tiny_model"
-FAULT_HOOKS = ROOT / "tests" / "fault_hooks.py"
 OWN_POOL = [
     "actor_rollout_ref.hybrid_engine=false",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -74,28 +76,9 @@ TRAINER_PHASES = ("reward", "old_log_prob", "ref", "adv", "update_actor")
 
 def run(name: str, steps: int, out: Path, slow_ms: int = 0) -> list[dict]:
     run_dir = out / name
-    args = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
-        "quickstart_cpu",
-        f"trainer.total_training_steps={steps}",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.logger=['jsonl']",
-        "trainer.resume_mode=disable",
-        *{**RUNS, **PARTIAL_RUNS}[name],
-    ]
+    command = train_command("quickstart_cpu", run_dir, steps, {**RUNS, **PARTIAL_RUNS}[name])
     env = {**os.environ, "RLHF_FAULT": f"rollout_slow:{slow_ms}"} if slow_ms else {**os.environ}
-    if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in env.items()):
-        env.setdefault("RLHF_FAULT_HOOKS", str(FAULT_HOOKS))  # the test hook's handlers
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_train(name, command, run_dir, env)
 
 
 def _spans(records: list[dict], role: str) -> list[tuple[float, float]]:

@@ -50,6 +50,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import run_train, train_command  # noqa: E402
+
 MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arith"
 # The project's fastest configuration on 2 CPU cores: no tensor parallelism (its all-reduces
 # per layer cost more than they save on a model this small), data parallelism over both; the
@@ -84,26 +87,9 @@ def wall_steps(records: list[dict]) -> list[float]:
 
 def _project(name: str, steps: int, overrides: list[str], out: Path, config: str = "quickstart_cpu") -> dict:
     run_dir = out / name
-    args = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
-        config,
-        f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={steps}",
-        "trainer.val_before_train=true",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.save_freq=-1",
-        "trainer.logger=['jsonl']",
-        "trainer.resume_mode=disable",
-        *overrides,
-    ]
+    command = train_command(config, run_dir, steps, overrides, test_freq=steps, val_before_train=True)
     start = time.perf_counter()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_train(name, command, run_dir)
     vals = [r["val/reward_mean"] for r in records if "val/reward_mean" in r]
     return {
         "s_per_step": wall_steps(records),

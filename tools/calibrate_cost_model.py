@@ -39,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import run_train, train_command  # noqa: E402
 
 from rlhf_megatron.config.cost_model import COST_MODEL_DIR, FEATURES, PHASES, _group  # noqa: E402
 
@@ -138,25 +140,9 @@ def probe() -> dict:
 # -------------------------------------------------------------------------------------- runs
 def run_layout(name: str, overrides: list[str], steps: int, out: Path) -> Path:
     run_dir = out / name
-    args = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
-        "quickstart_cpu",
-        "parallelism=manual",
-        f"trainer.total_training_steps={steps}",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "trainer.save_freq=-1",
-        "trainer.logger=['jsonl']",
-        "trainer.resume_mode=disable",
-        f"trainer.default_local_dir={run_dir}",
-        *overrides,
-    ]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name}: the run failed:\n{proc.stderr[-3000:]}")
+    run_train(
+        name, train_command("quickstart_cpu", run_dir, steps, ["parallelism=manual", *overrides]), run_dir
+    )
     (run_dir / "overrides.json").write_text(json.dumps(overrides))
     return run_dir
 

@@ -47,9 +47,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import hooks_env, read_metrics, train_command  # noqa: E402
+
 from rlhf_megatron.platform.shm import left_behind, shm_names  # noqa: E402
 
-HOOKS = ROOT / "tests" / "fault_hooks.py"
 STEPS_DEFAULT = 4
 EVERY = 2  # save_freq and test_freq
 HANG_TIMEOUT_S = 30  # trainer.step_timeout_s: a quickstart call takes ~1 s, start-up is not timed
@@ -134,40 +136,31 @@ def trial(n: int, fault: dict, steps: int, out: Path) -> dict:
     run_dir, once = out / f"trial_{n}", out / f"once_{n}"
     once.mkdir(parents=True)
     entry = f"{fault['phase']}:{fault['step']}:{fault['rank']}"
-    args = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
+    command = train_command(
         config,
-        f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={EVERY}",
-        f"trainer.test_freq={EVERY}",
-        "trainer.val_before_train=true",
-        "trainer.max_restarts=2",
-        "trainer.restart_backoff_s=0",
-        f"trainer.step_timeout_s={HANG_TIMEOUT_S}",
-        "trainer.logger=['jsonl']",
-        f"trainer.default_local_dir={run_dir}",
-    ]
-    env = {
-        **os.environ,
-        "RLHF_FAULT": entry,
-        "RLHF_FAULT_ONCE_DIR": str(once),
-        "RLHF_FAULT_HOOKS": str(HOOKS),
-        "WANDB_MODE": "offline",
-    }
+        run_dir,
+        steps,
+        [
+            f"trainer.save_freq={EVERY}",
+            "trainer.max_restarts=2",
+            "trainer.restart_backoff_s=0",
+            f"trainer.step_timeout_s={HANG_TIMEOUT_S}",
+        ],
+        test_freq=EVERY,
+        val_before_train=True,
+    )
+    env = hooks_env(
+        {**os.environ, "RLHF_FAULT": entry, "RLHF_FAULT_ONCE_DIR": str(once), "WANDB_MODE": "offline"}
+    )
     shm_before = shm_names()
     start = time.monotonic()
     with subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
         _, stderr = proc.communicate(timeout=1800)
     seconds = time.monotonic() - start
     time.sleep(2)  # Ray's processes exit just after the driver
-    records = []
-    if (run_dir / "metrics.jsonl").is_file():
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     trained = [r["step"] for r in records if "actor/pg_loss" in r]
     events = []
     if (run_dir / "recovery.jsonl").is_file():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,32 +30,18 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import run_train, train_command  # noqa: E402
+
 RUNS = {"grpo": "quickstart_cpu", "dapo": "quickstart_cpu_dapo"}
 
 
 def _run(name: str, config: str, steps: int, test_freq: int, seed: int, out: Path) -> dict:
     run_dir = out / f"{name}_{seed}"
-    args = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
-        config,
-        f"trainer.total_training_steps={steps}",
-        f"trainer.test_freq={test_freq}",
-        "trainer.val_before_train=true",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.save_freq=-1",
-        "trainer.logger=['jsonl']",
-        "trainer.resume_mode=disable",
-        f"trainer.seed={seed}",
-        f"data.seed={seed}",
-    ]
+    seeds = [f"trainer.seed={seed}", f"data.seed={seed}"]
+    command = train_command(config, run_dir, steps, seeds, test_freq=test_freq, val_before_train=True)
     start = time.perf_counter()
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name}: the training run failed:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_train(name, command, run_dir)
     resolved = (run_dir / "resolved_config.yaml").read_text()
     from omegaconf import OmegaConf
 

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import train_command  # noqa: E402
 
 PHASES = (
     "generate_sequences",
@@ -173,21 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("profile_step: py-spy is not installed (pip install py-spy)")
     with tempfile.TemporaryDirectory(prefix="profile_step_") as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [
-            sys.executable,
-            "-m",
-            "rlhf_megatron.train",
-            "--config",
-            args.config,
-            f"trainer.total_training_steps={args.steps}",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "trainer.save_freq=-1",
-            f"trainer.default_local_dir={run_dir}",
-            "trainer.logger=['jsonl']",
-            "trainer.resume_mode=disable",
-            *args.overrides,
-        ]
+        cmd = train_command(args.config, run_dir, args.steps, args.overrides)
         driver = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         metrics = run_dir / "metrics.jsonl"
         while driver.poll() is None and (

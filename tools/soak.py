@@ -37,7 +37,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-FAULT_HOOKS = ROOT / "tests" / "fault_hooks.py"
+sys.path.insert(0, str(ROOT / "tools"))
+from train_runs import hooks_env, train_command  # noqa: E402
 
 
 def _tree_rss_mb(pid: int) -> tuple[float, float]:
@@ -93,26 +94,10 @@ def main(argv=None) -> int:
 
 
 def _soak(args: argparse.Namespace, run_dir: Path) -> int:
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf_megatron.train",
-        "--config",
-        args.config,
-        f"trainer.total_training_steps={args.steps}",
-        f"trainer.default_local_dir={run_dir}",
-        "trainer.logger=['jsonl']",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=False",
-        "trainer.save_freq=-1",
-        "trainer.resume_mode=disable",
-        *args.overrides,
-    ]
+    cmd = train_command(args.config, run_dir, args.steps, args.overrides)
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "soak_stderr.log"  # a file, not a pipe: a long run's logs would fill a pipe and block it
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if any(v and (k.startswith("RLHF_FAULT") or k == "RLHF_STOP_AFTER_STEP") for k, v in env.items()):
-        env.setdefault("RLHF_FAULT_HOOKS", str(FAULT_HOOKS))  # the test hook's handlers
+    env = hooks_env({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
     samples: dict[int, tuple[float, float, float]] = {}
