@@ -13,7 +13,8 @@ unset under the top-level ``parallelism: auto``, is searched here:
    (``planner.plan_memory``) leaves ``MEMORY_MARGIN`` of ``trainer.gpu_memory_gb`` free in every
    phase (of what vLLM's budget leaves, where it is awake), and ranks them by the cost model's
    predicted step time (``cost_model.predict_step``); per layout it keeps the largest
-   micro-batches that fit (fewer passes are faster; found by bisection);
+   micro-batches that fit (fewer passes are faster; found by bisection), or with a pipeline the
+   cheapest of those that fit (smaller ones shrink the bubble);
 3. ``resolve_auto`` writes the winner's numbers back into the config, which then goes through the
    ordinary validation and normalisation. Explicit keys are never changed.
 
@@ -243,7 +244,7 @@ def _micro_levels(share: int) -> list[int]:
     return out
 
 
-def _largest_micro_that_fits(
+def _best_micro(
     cfg: DictConfig,
     layout: dict[str, int],
     micro_keys: list[str],
@@ -251,22 +252,53 @@ def _largest_micro_that_fits(
     world_size: int | None,
     gpu_gb: float | None,
     followers: dict[str, list[str]],
+    constants: CostConstants,
 ) -> Candidate:
-    """The layout with the largest micro-batches that fit, all keys stepping down their halvings
-    together (``base``, every micro-batch 1, fits). Memory grows with the micro-batch, so a
-    bisection over the levels finds it in log2 of the tries a scan would make."""
+    """The layout's micro-batches, all keys stepping down their halvings together (``base``, every
+    micro-batch 1, fits), priced. Memory grows with the micro-batch, so a bisection over the levels
+    finds the largest that fits in log2 of the tries a scan would make. Without a pipeline the
+    largest is the fastest (fewer passes); with one, more and smaller micro-batches shrink the
+    pipeline bubble, so every smaller level is priced too and the cheapest kept."""
     shares = {k: _micro_share(base._cfg, k) for k in micro_keys}  # type: ignore[attr-defined]
     levels = {k: _micro_levels(s) for k, s in shares.items()}
-    found, lo, hi = base, 0, max(len(v) for v in levels.values()) - 1  # hi: every key at 1 (base)
+    last = max(len(v) for v in levels.values()) - 1  # every key at 1: ``base``
+
+    def at(level: int) -> Candidate | ConfigError:
+        if level == last:
+            return base
+        return _try(
+            cfg,
+            layout | {k: v[min(level, len(v) - 1)] for k, v in levels.items()},
+            world_size,
+            gpu_gb,
+            followers,
+        )
+
+    found, lo, hi = base, 0, last
     while lo < hi:
         mid = (lo + hi) // 2
-        values = layout | {k: v[min(mid, len(v) - 1)] for k, v in levels.items()}
-        cand = _try(cfg, values, world_size, gpu_gb, followers)
+        cand = at(mid)
         if isinstance(cand, Candidate) and cand.fits:
             found, hi = cand, mid
         else:
             lo = mid + 1
+    found.cost = predict_step(found._cfg, constants)  # type: ignore[attr-defined]
+    if _pipelined(found._cfg):  # type: ignore[attr-defined]
+        for level in range(lo + 1, last + 1):
+            cand = at(level)
+            if isinstance(cand, Candidate) and cand.fits:
+                cand.cost = cand.cost or predict_step(cand._cfg, constants)  # type: ignore[attr-defined]
+                if cand.cost.total < found.cost.total:
+                    found = cand
     return found
+
+
+def _pipelined(cfg: DictConfig) -> bool:
+    """Whether a trained role runs a pipeline (its bubble depends on the micro-batch count)."""
+    return any(
+        (OmegaConf.select(cfg, f"{ROLE_SECTIONS[r]}.megatron.pipeline_model_parallel_size") or 1) > 1
+        for r in ("actor", "critic")
+    )
 
 
 def _write(cfg: DictConfig, values: dict[str, int], followers: dict[str, list[str]]) -> None:
@@ -345,11 +377,11 @@ def search_layouts(
                 continue
             best = base
             if base.fits and micro_keys:
-                best = _largest_micro_that_fits(
-                    cfg, layout, micro_keys, base, world_size, gpu_memory_gb, followers
+                best = _best_micro(
+                    cfg, layout, micro_keys, base, world_size, gpu_memory_gb, followers, constants
                 )
             if best.fits:
-                best.cost = predict_step(best._cfg, constants)  # type: ignore[attr-defined]
+                best.cost = best.cost or predict_step(best._cfg, constants)  # type: ignore[attr-defined]
                 search.ranked.append(best)
             else:
                 search.too_big.append(best)

@@ -53,8 +53,9 @@ def find_preset(name: str | Path, relative_to: Path | None = None) -> Path:
     raise ConfigError(f"config file {str(name)!r} not found (looked at: {places}); see `ls {CONFIGS_DIR}`")
 
 
-NOT_PRESETS = ("tools",)
-"""Folders of ``configs/`` that hold other files than run configs (verl-format tool configs)."""
+NOT_PRESETS = ("tools", "overlays")
+"""Folders of ``configs/`` that hold other files than run configs (verl-format tool configs,
+overlays that other presets layer on with ``base``)."""
 
 
 def preset_stage(path: Path) -> str | None:
