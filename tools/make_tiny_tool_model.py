@@ -42,12 +42,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
 import json
-import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -61,8 +58,10 @@ from rlhf_megatron.agent.tools.calculator import CalculatorTool
 from rlhf_megatron.models.tiny import build_tiny_hf_model
 from rlhf_megatron.rewards.tool_mult import compute_score
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamped_build import build_once  # noqa: E402
+
 RECIPE_VERSION = 1
-STAMP_FILE = "stamp.json"
 TOOLS = Path(__file__).resolve().parent
 CALL_HEAD = '{"name": "calculator", "arguments": {"expression": "'
 CALL_TAIL = '"}}'
@@ -121,12 +120,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
     return p.parse_args(argv)
-
-
-def args_hash(args: argparse.Namespace) -> str:
-    keys = {k: v for k, v in sorted(vars(args).items()) if k not in ("out", "force")}
-    keys["recipe_version"] = RECIPE_VERSION
-    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------- transcripts
@@ -343,33 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    out, digest = Path(args.out), args_hash(args)
-    stamp = base.read_stamp(out)
-    if out.exists() and stamp is None and not args.force:
-        raise SystemExit(
-            f"make_tiny_tool_model: {out} exists but has no {STAMP_FILE}, so this tool did not write it; "
-            "pass --force to replace it or choose another --out."
-        )
-    data_present = all((Path(args.data_dir) / f"{s}.parquet").is_file() for s in ("train", "test"))
-    if stamp is not None and stamp.get("args_hash") == digest and not args.force:
-        if not data_present:
-            write_rl_data(args)
-        print(json.dumps({**stamp["result"], "skipped": True}))
-        return 0
-    write_rl_data(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        result = build(args, tmp)
-        with open(tmp / STAMP_FILE, "w") as f:
-            json.dump({"args_hash": digest, "args": vars(args), "result": result}, f, indent=2)
-        base.replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({**result, "skipped": False}))
-    return 0
+    return build_once(
+        "make_tiny_tool_model",
+        args,
+        RECIPE_VERSION,
+        build,
+        data_present=lambda: all((Path(args.data_dir) / f"{s}.parquet").is_file() for s in ("train", "test")),
+        write_data=lambda: write_rl_data(args),
+    )
 
 
 if __name__ == "__main__":

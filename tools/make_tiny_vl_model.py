@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
-import json
-import os
 import random
 import shutil
 import sys
@@ -53,8 +50,10 @@ from rlhf_megatron.data.multimodal import concat_vision_inputs, load_vision_proc
 from rlhf_megatron.models.tiny import build_tiny_qwen2_5_vl
 from rlhf_megatron.rewards.easyr1 import math_compute_score
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamped_build import build_once  # noqa: E402
+
 RECIPE_VERSION = 1
-STAMP_FILE = "stamp.json"
 SHAPES_TOOL = Path(__file__).resolve().parent / "data" / "shapes_vl.py"
 _SFT_SEED_OFFSET = 1_000_003
 _WARMUP_STEPS = 10
@@ -93,12 +92,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
     return p.parse_args(argv)
-
-
-def args_hash(args: argparse.Namespace) -> str:
-    keys = {k: v for k, v in sorted(vars(args).items()) if k not in ("out", "force")}
-    keys["recipe_version"] = RECIPE_VERSION
-    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
@@ -274,52 +267,19 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     }
 
 
-# --------------------------------------------------------------------------------------- files
-def read_stamp(out: Path) -> dict | None:
-    path = out / STAMP_FILE
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move ``tmp`` to ``out``; an old ``out`` is moved aside first, since rename won't overwrite a dir."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
-    out, digest = Path(args.out), args_hash(args)
-    stamp = read_stamp(out)
-    if out.exists() and stamp is None and not args.force:
-        raise SystemExit(
-            f"make_tiny_vl_model: {out} exists but has no {STAMP_FILE}, so this tool did not write it; "
-            "pass --force to replace it or choose another --out."
-        )
-    data_present = all(any((Path(args.data_dir) / "data").glob(f"{s}-*.parquet")) for s in ("train", "test"))
-    if stamp is not None and stamp.get("args_hash") == digest and data_present and not args.force:
-        print(json.dumps({**stamp["result"], "skipped": True}))
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        result = build(args, tmp)
-        with open(tmp / STAMP_FILE, "w") as f:
-            json.dump({"args_hash": digest, "args": vars(args), "result": result}, f, indent=2)
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps(result))
-    return 0
+    return build_once(
+        "make_tiny_vl_model",
+        args,
+        RECIPE_VERSION,
+        build,  # writes the data too
+        data_present=lambda: all(
+            any((Path(args.data_dir) / "data").glob(f"{s}-*.parquet")) for s in ("train", "test")
+        ),
+    )
 
 
 if __name__ == "__main__":
