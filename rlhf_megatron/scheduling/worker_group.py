@@ -33,9 +33,11 @@ import re
 import time
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.platform import stacks
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch_spec
 from rlhf_megatron.scheduling.resource_pool import ResourcePool
 
@@ -261,12 +263,14 @@ class WorkerGroup(Generic[W]):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 late = sorted(index[r] for r in pending)
+                where = self._hung_stacks(late)
                 self.kill()
                 raise WorkerError(
                     self.role,
                     None,
                     ", ".join(self._node_name(r) for r in late[:4]),
-                    f"{what} did not finish within {timeout_s:.0f} s on ranks {late}; the group was stopped",
+                    f"{what} did not finish within {timeout_s:.0f} s on ranks {late}; the group was stopped"
+                    + (f". Where they were: {where}" if where else ""),
                     cause="hung",
                 )
             done, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 5.0))
@@ -292,6 +296,20 @@ class WorkerGroup(Generic[W]):
                         self.role, rank, self._node_name(rank), f"{what} raised:\n{detail}"
                     ) from err
         return [results[r] for r in range(len(refs))]
+
+    def _hung_stacks(self, ranks: list[int]) -> str:
+        """Where each late rank on the driver's node was stuck (``platform/stacks.py``), or ""."""
+        import ray
+
+        try:
+            here = ray.util.get_node_ip_address()
+            log_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+        except Exception:  # noqa: BLE001 -- a diagnosis must never hide the hang it diagnoses
+            return ""
+        local = {
+            r: self.nodes[r]["pid"] for r in ranks if r < len(self.nodes) and self.nodes[r]["ip"] == here
+        }
+        return stacks.describe(stacks.collect(local, log_dir))
 
     def _death_error(
         self, rank: int, what: str, err: Exception, note: str = "", call: PendingCall | None = None

@@ -15,7 +15,7 @@ import os
 import socket
 from typing import Any
 
-from rlhf_megatron.platform import ParallelInfo
+from rlhf_megatron.platform import ParallelInfo, stacks
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 
 
@@ -29,6 +29,7 @@ class Worker:
         self.parallel: ParallelInfo | None = None
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+        stacks.arm()  # a hung call's stack, on the driver's request (scheduling/worker_group.py)
 
     @dispatch(Dispatch.RANK0)
     def node_info(self) -> dict[str, Any]:

@@ -81,9 +81,12 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     assert resumed[2]["recovery/restarts"] == 2
     hang, death = [json.loads(line) for line in (run / "recovery.jsonl").read_text().splitlines()]
     assert (hang["cause"], hang["failed_step"], hang["resumed_step"]) == ("hung", 2, 1)
-    # Rank 1 waits for rank 0 in the update's first collective, so neither answers: both are named.
+    # Rank 1 waits for rank 0 in the update's first collective, so neither answers: both are named ...
     assert "[actor] ranks" in hang["message"], hang["message"]
     assert "update_actor did not finish within 20 s on ranks [0, 1]" in hang["message"], hang["message"]
+    # ... and their stacks tell the rank that stopped from the rank waiting for it.
+    assert "rank 0 (not in a collective) at tests/fault_hooks.py:" in hang["message"], hang["message"]
+    assert "rank 1 (waiting in a collective)" in hang["message"], hang["message"]
     assert (death["failed_step"], death["resumed_step"]) == (3, 2)
     assert "[actor] rank 1" in death["message"] and "update_actor" in death["message"]
 

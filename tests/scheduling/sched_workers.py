@@ -54,3 +54,9 @@ class EchoWorker(Worker):
 
     def hang(self):
         time.sleep(3600)
+
+    def hang_one(self, rank: int):
+        """``rank`` stops; the others wait for it in a collective."""
+        if self.rank == rank:
+            time.sleep(3600)
+        return self.all_reduce_sum(1.0)
