@@ -30,7 +30,8 @@ def constants(collective: float) -> CostConstants:
     return CostConstants(
         device="cpu",
         seconds={
-            "train": {"collectives": collective, "layer_passes": 1e-3},
+            "forward": {"collectives": collective, "layer_passes": 1e-3},
+            "update": {"collectives": collective, "layer_passes": 1e-3},
             "gen": {"engine_steps": 1e-3, "engine_collectives": collective},
         },
         source="test",
@@ -182,3 +183,14 @@ def test_an_overlays_auto_for_an_absent_role_is_not_searched():
         "quickstart_cpu", [*MANUAL, f"{critic_micro}=auto", f"{TRAIN_MICRO}=auto"], on_search=seen.append
     )
     assert seen and seen[0].keys == [TRAIN_MICRO]
+
+
+def test_with_a_pipeline_the_cheapest_micro_batch_wins_not_the_largest():
+    """PP 2: fewer, larger micro-batches grow the bubble. When FLOPs are what costs, the search prices
+    every micro-batch that fits and keeps the smallest bubble; without a pipeline it keeps the largest."""
+    flops_only = CostConstants(device="cpu", seconds={"update": {"flops": 1e-9}}, source="test")
+    pp2 = [*MANUAL, f"{ACTOR_TP}=1", A + "actor.megatron.pipeline_model_parallel_size=2"]
+    search = search_layouts(load_config("quickstart_cpu", pp2), [TRAIN_MICRO], constants=flops_only)
+    assert search.ranked[0].values == {TRAIN_MICRO: 1}
+    search = search_layouts(load_config("quickstart_cpu", MANUAL), [TRAIN_MICRO], constants=flops_only)
+    assert search.ranked[0].values == {TRAIN_MICRO: 64}
