@@ -86,6 +86,19 @@ class CostConstants:
     source: str = ""
     """Where the numbers came from (the calibration run, its date and machine)."""
 
+    def __post_init__(self) -> None:
+        """A group or feature the model does not price would be ignored silently: refuse it."""
+        for group, prices in self.seconds.items():
+            if group not in FEATURES:
+                raise ValueError(
+                    f"cost constants ({self.source}): unknown group {group!r}; groups: {list(FEATURES)}"
+                )
+            unknown = sorted(set(prices) - set(FEATURES[group]))
+            if unknown:
+                raise ValueError(
+                    f"cost constants ({self.source}): {group} has no feature {unknown}; features: {FEATURES[group]}"
+                )
+
     @classmethod
     def from_json(cls, path: str | Path) -> CostConstants:
         data = json.loads(Path(path).read_text())

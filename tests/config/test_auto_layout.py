@@ -194,3 +194,10 @@ def test_with_a_pipeline_the_cheapest_micro_batch_wins_not_the_largest():
     assert search.ranked[0].values == {TRAIN_MICRO: 1}
     search = search_layouts(load_config("quickstart_cpu", MANUAL), [TRAIN_MICRO], constants=flops_only)
     assert search.ranked[0].values == {TRAIN_MICRO: 64}
+
+
+def test_cost_constants_refuse_what_the_model_does_not_price():
+    with pytest.raises(ValueError, match="unknown group 'train'"):
+        CostConstants(device="cpu", seconds={"train": {"flops": 1.0}}, source="test")
+    with pytest.raises(ValueError, match=r"update has no feature \['engine_steps'\]"):
+        CostConstants(device="cpu", seconds={"update": {"engine_steps": 1.0}}, source="test")
