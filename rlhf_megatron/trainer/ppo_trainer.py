@@ -325,10 +325,13 @@ class PPOTrainer:
         order), so scoring overlaps them. With a reward model, scoring runs a model too: it goes
         first, as the passes' memory plan assumes."""
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode  # pi_old = pi_rollout: no actor pass
-        scored = "token_level_scores" in batch.tensor_keys  # by dynamic sampling, round by round
-        early = self.reward_model is None
-        if not early and not scored:
-            scores = self._timed_score(batch, metrics, timer)
+        # When to score: not at all when dynamic sampling scored the rounds as they came, before
+        # the passes when a reward model must run first, else while the passes run.
+        if "token_level_scores" in batch.tensor_keys:
+            score_at = None
+        else:
+            score_at = "before" if self.reward_model is not None else "during"
+        scores = self._timed_score(batch, metrics, timer) if score_at == "before" else None
         passes = []
         for name, key, method, wanted in (
             ("old_log_prob", "old_log_probs", "compute_log_prob", not bypass),
@@ -338,9 +341,9 @@ class PPOTrainer:
                 timer.record(name, *batch.meta_info[f"{key}_span"])
             if wanted and key not in batch.tensor_keys:
                 passes.append((name, time.time(), self.actor.submit(method, batch)))
-        if early and not scored:
+        if score_at == "during":
             scores = self._timed_score(batch, metrics, timer)
-        if not scored:
+        if scores is not None:  # set after the passes went out, so they do not carry it
             batch["token_level_scores"] = scores
         if bypass:
             batch["old_log_probs"] = batch["rollout_log_probs"].clone()
