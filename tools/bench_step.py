@@ -271,37 +271,9 @@ def seed000_inputs(root: Path) -> tuple[Path, Path]:
         check=True,
         capture_output=True,
     )
+    from rlhf_megatron.data.preprocess import COUNTDOWN_PROMPT_WORDS
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    words = (
-        "Using ",
-        "numbers ",
-        "write ",
-        "equation ",
-        "equals ",
-        "You ",
-        "may ",
-        "use ",
-        "and ",
-        "parentheses",
-        "must ",
-        "every ",
-        "number ",
-        "exactly ",
-        "once",
-        "Reason ",
-        "inside ",
-        "tags",
-        "then ",
-        "give ",
-        "only ",
-        "the ",
-        "for ",
-        "example ",
-        "<think>",
-        "</think>",
-        "an ",
-    )
     make_tiny_hf_model(
         model,
         "llama",
@@ -311,7 +283,7 @@ def seed000_inputs(root: Path) -> tuple[Path, Path]:
         num_kv_heads=2,
         ffn_hidden_size=512,
         max_position_embeddings=2048,
-        extra_words=words,
+        extra_words=COUNTDOWN_PROMPT_WORDS,
     )
     return data, model
 

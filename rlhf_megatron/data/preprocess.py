@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = [
+    "COUNTDOWN_PROMPT_WORDS",
     "GSM8K_INSTRUCTION",
     "MATH_INSTRUCTION",
     "arith_row",
@@ -77,6 +78,16 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict:
 
 def math_row(problem: str, ground_truth: str, split: str, index: int, data_source: str, **extra: Any) -> dict:
     return verl_row(data_source, f"{problem} {MATH_INSTRUCTION}", "math", ground_truth, split, index, **extra)
+
+
+COUNTDOWN_PROMPT_WORDS = (
+    *("Using ", "numbers ", "write ", "equation ", "equals ", "You ", "may ", "use ", "and "),
+    *("parentheses", "must ", "every ", "number ", "exactly ", "once", "Reason ", "inside ", "tags"),
+    *("then ", "give ", "only ", "the ", "for ", "example ", "<think>", "</think>", "an "),
+)
+"""The whole words of ``countdown_prompt``: a tiny test tokenizer that makes each a single token
+(``models.tiny.make_tiny_hf_model(extra_words=...)``) fits the prompt into the TinyZero command's
+``data.max_prompt_length=256``, which a character-level one would not."""
 
 
 def countdown_prompt(numbers: Sequence[int], target: int) -> str:

@@ -9,39 +9,9 @@ from pathlib import Path
 import pytest
 from trainer_helpers import ROOT, run_train
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+from rlhf_megatron.data.preprocess import COUNTDOWN_PROMPT_WORDS
 
-# Whole words of the countdown prompt become single tokens of the tiny tokenizer, so the
-# prompt fits the seed's max_prompt_length=256 (the character-level default would not).
-PROMPT_WORDS = (
-    "Using ",
-    "numbers ",
-    "write ",
-    "equation ",
-    "equals ",
-    "You ",
-    "may ",
-    "use ",
-    "and ",
-    "parentheses",
-    "must ",
-    "every ",
-    "number ",
-    "exactly ",
-    "once",
-    "Reason ",
-    "inside ",
-    "tags",
-    "then ",
-    "give ",
-    "only ",
-    "the ",
-    "for ",
-    "example ",
-    "<think>",
-    "</think>",
-    "an ",
-)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 def test_tinyzero_seed_command_runs_one_step(tmp_path):
@@ -74,7 +44,7 @@ def test_tinyzero_seed_command_runs_one_step(tmp_path):
         head_dim=64,
         ffn_hidden_size=256,
         max_position_embeddings=2048,
-        extra_words=PROMPT_WORDS,
+        extra_words=COUNTDOWN_PROMPT_WORDS,
         eos_logit=5.0,  # answers end after a few tokens, not at the seed's 1024-token limit
     )
     command = f"""
