@@ -52,9 +52,6 @@ class EchoWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
-    def hang(self):
-        time.sleep(3600)
-
     def hang_one(self, rank: int):
         """``rank`` stops; the others wait for it in a collective."""
         if self.rank == rank:
