@@ -195,9 +195,7 @@ def _layout_values(cfg: DictConfig, key: str, world: int) -> list[int]:
     """The values ``key`` may take. Tensor parallelism (Megatron's and vLLM's) stays inside a node:
     its collectives run in every layer, so across nodes they would run over the network."""
     if key == ROLLOUT_TP:
-        rollout = cfg.actor_rollout_ref.rollout
-        pooled = not getattr(cfg.actor_rollout_ref, "hybrid_engine", True)
-        node = rollout.n_gpus_per_node if pooled else cfg.trainer.n_gpus_per_node
+        node = roles_mod.rollout_gpus_per_node(cfg)
         return [d for d in _divisors(roles_mod.rollout_world_size(cfg, world)) if d <= node]
     if key.endswith("tensor_model_parallel_size"):
         return [d for d in _divisors(world) if d <= cfg.trainer.n_gpus_per_node]
@@ -262,17 +260,13 @@ def _best_micro(
     shares = {k: _micro_share(base._cfg, k) for k in micro_keys}  # type: ignore[attr-defined]
     levels = {k: _micro_levels(s) for k, s in shares.items()}
     last = max(len(v) for v in levels.values()) - 1  # every key at 1: ``base``
+    tried: dict[int, Candidate | ConfigError] = {last: base}  # the bisection's tries, priced once
 
     def at(level: int) -> Candidate | ConfigError:
-        if level == last:
-            return base
-        return _try(
-            cfg,
-            layout | {k: v[min(level, len(v) - 1)] for k, v in levels.items()},
-            world_size,
-            gpu_gb,
-            followers,
-        )
+        if level not in tried:
+            values = layout | {k: v[min(level, len(v) - 1)] for k, v in levels.items()}
+            tried[level] = _try(cfg, values, world_size, gpu_gb, followers)
+        return tried[level]
 
     found, lo, hi = base, 0, last
     while lo < hi:

@@ -36,6 +36,7 @@ __all__ = [
     "model_parallel_size",
     "per_gpu_micro_batch",
     "role_plan",
+    "rollout_gpus_per_node",
     "rollout_world_size",
     "world_size",
 ]
@@ -115,10 +116,22 @@ def rollout_world_size(cfg: DictConfig | Any, override: int | None = None) -> in
     """Processes that run the rollout engines: the rollout's own pool when
     ``actor_rollout_ref.hybrid_engine`` is false (rollout.nnodes x rollout.n_gpus_per_node),
     else the trainer's world (``world_size``; ``override`` replaces only that one)."""
-    if getattr(cfg.actor_rollout_ref, "hybrid_engine", True):
+    if _colocated(cfg):
         return world_size(cfg, override)
     rollout = cfg.actor_rollout_ref.rollout
     return rollout.nnodes * rollout.n_gpus_per_node
+
+
+def rollout_gpus_per_node(cfg: DictConfig | Any) -> int:
+    """GPUs per node of the processes that run the rollout engines (the trainer's nodes unless the
+    rollout has its own pool): the widest a vLLM tensor-parallel group can be within a node."""
+    if _colocated(cfg):
+        return cfg.trainer.n_gpus_per_node
+    return cfg.actor_rollout_ref.rollout.n_gpus_per_node
+
+
+def _colocated(cfg: DictConfig | Any) -> bool:
+    return getattr(cfg.actor_rollout_ref, "hybrid_engine", True)
 
 
 def megatron_section(cfg: DictConfig | Any, role: str) -> Any:

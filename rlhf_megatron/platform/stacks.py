@@ -103,8 +103,9 @@ def collect(pids: dict[int, int], log_dir: Path | None, wait_s: float = 2.0) -> 
     while before and time.monotonic() < deadline:
         time.sleep(0.1)
         for rank, (log, size) in list(before.items()):
-            text = log.read_text(errors="replace")[size:]
-            stack = parse_last(text)
+            with open(log, "rb") as f:  # only what the process wrote since the signal
+                f.seek(size)
+                stack = parse_last(f.read().decode(errors="replace"))
             if stack is not None:
                 stacks[rank] = stack
                 del before[rank]
