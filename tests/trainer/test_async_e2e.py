@@ -161,10 +161,18 @@ def test_rollout_worker_killed_mid_generation_is_reported_or_restarted_alone(tin
     assert "restarting the rollout pool's engines (1 of 1" in proc.stderr
     assert [r["step"] for r in records] == [1, 2, 3], "no step lost"
     assert not (tmp_path / "alone" / "recovery.jsonl").exists(), "the trainer's workers were not restarted"
-    assert [r.get("recovery/engine_restarts", 0) for r in records] == [0, 1, 1]
+    # Batch 2's generation is queued in the rollout process behind batch 1's, and the kill comes as
+    # it starts: batch 1's reply usually arrives first, and sometimes is lost with the process
+    # (Ray replies after the call returns), so the death surfaces at step 1 or at step 2.
+    restarts = [r.get("recovery/engine_restarts", 0) for r in records]
     assert all(r["async/staleness_max"] <= 1 for r in records)
-    # Step 2's batch was generated again by the new engines, with the weights after update 1.
-    assert records[1]["async/staleness_max"] == 0 and records[1]["async/rollout_version"] == 1
+    if restarts == [0, 1, 1]:
+        # Step 2's batch was generated again by the new engines, with the weights after update 1.
+        assert records[1]["async/staleness_max"] == 0 and records[1]["async/rollout_version"] == 1
+    else:
+        # Batches 1 and 2 were both generated again, with the initial weights, as they first were.
+        assert restarts == [1, 1, 1], restarts
+        assert records[0]["async/staleness_max"] == 0 and records[1]["async/staleness_max"] == 1
 
 
 def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(tiny_run_inputs, tmp_path):
