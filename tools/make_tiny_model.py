@@ -5,25 +5,31 @@ briefly pre-trained (supervised) on the arithmetic task so that it starts weak b
     .venv/bin/python tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model   # MoE quickstart
 
 It writes the RL prompts first (``train.parquet`` and ``test.parquet`` in ``--data-dir``, through
-``tools/data/arith.py``), then trains and saves the model (safetensors, tokenizer, ``stamp.json``)
-and prints one JSON object with the held-out accuracies.
+``tools/data/arith.py``), then pre-trains a random model with the project's SFT trainer
+(``rlhf_megatron.stages``, on one CPU process, through ``tools/sft_probe.py``), saves the chosen
+checkpoint's Hugging Face export (safetensors, tokenizer, ``stamp.json``) and prints one JSON
+object with the held-out accuracies.
 
 Why "weak but not random": GRPO learns only from groups whose samples disagree. A random model
 never answers correctly, so every group scores 0; a converged one always does. The recipe stops
 pre-training once greedy accuracy on a probe set reaches ``--target-accuracy``. There the format
 is learnt (greedy answers are all integers, most wrong ones off by a little: "near misses") and
 sampling at temperature 1 finds the right answer for about half the prompts within 8 tries.
-Accuracy climbs steeply around that point (about +0.1 per 5 steps), hence the frequent probe.
+Accuracy climbs steeply around that point (about +0.1 per 5 steps), hence the frequent probe:
+a checkpoint every ``--eval-every`` steps, exported and decoded greedily on the probe set.
 
 Data hygiene: the three problem sets are disjoint. The test split (RL validation) is never
 trained on. The probe is held out of pre-training too, so early stopping judges generalization.
 Pre-training uses the rest, in its own RNG order. RL's train prompts are every non-test problem
 (probe ones included), since ``(max_operand + 1) ** 2`` problems are all there are.
 
-Takes about 5-30 s on one CPU thread and is deterministic for a given seed and thread count. A second run with the same arguments finds the stamp and skips (``--force`` rebuilds);
-the output directory is written to a temporary sibling and renamed into place.
+Takes about a minute on this CPU machine (a local Ray, one megatron-core process) and is
+deterministic for a given seed and thread count. A second run with the same arguments finds the
+stamp and skips (``--force`` rebuilds); the output directory is written to a temporary sibling
+and renamed into place.
 
-Boundaries: plain PyTorch and transformers on CPU; no Megatron, vLLM or Ray.
+Boundaries: the data, the probe and the evaluation (transformers' ``generate``); training is the
+SFT trainer's.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import random
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -40,20 +46,19 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
 
 from rlhf_megatron.data.synthetic import make_arith_rows, make_arith_split
 from rlhf_megatron.models.tiny import build_tiny_hf_model, build_tiny_moe_model
 from rlhf_megatron.rewards.arith import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
 from stamped_build import build_once  # noqa: E402
 
 # Bump when the recipe changes in a way the arguments do not show, so old stamps stop matching.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
 ARITH_TOOL = Path(__file__).resolve().parent / "data" / "arith.py"
-# Separates the pre-training RNG from the split's, so SFT order is unrelated to RL's.
-_SFT_SEED_OFFSET = 1_000_003
-_WARMUP_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ def split_problems(args: argparse.Namespace) -> tuple[list[dict], list[dict], li
     """(sft_pool, probe, test): test is the parquet's test split; the three are disjoint."""
     _, test = make_arith_split(args.train_size, args.test_size, args.seed, args.max_operand)
     held_out = {row["question"] for row in test}
-    every = make_arith_rows((args.max_operand + 1) ** 2, args.seed + _SFT_SEED_OFFSET, args.max_operand)
+    every = make_arith_rows((args.max_operand + 1) ** 2, args.seed + SEED_OFFSET, args.max_operand)
     outside = [row for row in every if row["question"] not in held_out]
     if args.probe_size >= len(outside):
         raise ValueError(
@@ -154,18 +159,17 @@ def encode(tokenizer, rows: list[dict]) -> list[Example]:
     return out
 
 
-def collate_sft(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+answer; labels only on the answer and its eos (operands are random noise)."""
-    length = max(len(e.prompt_ids) + len(e.answer_ids) for e in examples)
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
-    labels = torch.full((len(examples), length), -100, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
-    for i, e in enumerate(examples):
-        ids = e.prompt_ids + e.answer_ids
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, len(e.prompt_ids) : len(ids)] = torch.tensor(e.answer_ids)
-        attention_mask[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+def write_sft_rows(rows: list[dict], path: Path) -> str:
+    """The pre-training problems as single-turn SFT rows (``question`` -> ``answer``): the SFT
+    trainer renders the question as RLHFDataset does and trains on the answer and its eos."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(
+        pa.Table.from_pylist([{"question": r["question"], "answer": r["answer"]} for r in rows]), path
+    )
+    return str(path)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -218,36 +222,15 @@ def evaluate(
 
 
 # ------------------------------------------------------------------------------------ training
-def pretrain(model, tokenizer, pool: list[Example], probe: list[Example], args) -> tuple[int, list]:
-    """SFT on shuffled passes over ``pool`` until ``--steps`` or the probe reaches the target.
+def probe_accuracy(tokenizer, probe: list[Example], args):
+    """The early stop: greedy accuracy on the probe set reaches ``--target-accuracy``."""
 
-    Returns (steps taken, [(step, probe greedy accuracy, loss)...]).
-    """
-    rng = random.Random(args.seed + _SFT_SEED_OFFSET)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    # A fixed warmup (not a fraction of --steps) keeps the curve the same whatever --steps is.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / _WARMUP_STEPS))
-    order: list[Example] = []
-    curve = []
-    model.train()
-    for step in range(1, args.steps + 1):
-        if len(order) < args.batch_size:
-            order += rng.sample(pool, len(pool))
-        batch, order = order[: args.batch_size], order[args.batch_size :]
-        # Mean over answer tokens; for a mixture of experts plus its load-balancing loss.
-        moe = {"output_router_logits": True} if getattr(model.config, "num_experts", None) else {}
-        loss = model(**collate_sft(batch, tokenizer.pad_token_id), **moe).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % args.eval_every == 0 or step == args.steps:
-            acc = evaluate(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)["accuracy"]
-            curve.append((step, round(acc, 4), round(loss.item(), 4)))
-            if acc >= args.target_accuracy:
-                return step, curve
-    return args.steps, curve
+    def probe_fn(step: int, hf_dir: Path) -> tuple[dict, bool]:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir)
+        acc = evaluate(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)["accuracy"]
+        return {"accuracy": round(acc, 4)}, acc >= args.target_accuracy
+
+    return probe_fn
 
 
 def build(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -274,9 +257,18 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
         )
     else:
         model, tokenizer = build_tiny_hf_model(arch="llama", ffn_hidden_size=args.ffn_hidden_size, **shape)
+    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
+    scratch = out_dir / "_pretraining"
     pool_rows, probe_rows, test_rows = split_problems(args)
-    pool, probe, test = (encode(tokenizer, r) for r in (pool_rows, probe_rows, test_rows))
-    steps, curve = pretrain(model, tokenizer, pool, probe, args)
+    probe, test = encode(tokenizer, probe_rows), encode(tokenizer, test_rows)
+    steps, curve, export = pretrain(
+        args,
+        save_base(model, tokenizer, scratch),
+        write_sft_rows(pool_rows, scratch / "sft" / "train.parquet"),
+        probe_accuracy(tokenizer, probe, args),
+        scratch,
+    )
+    model = AutoModelForCausalLM.from_pretrained(export)
 
     greedy = evaluate(model, tokenizer, test, seed=args.seed, max_new_tokens=args.max_new_tokens)
     sampled = evaluate(
@@ -290,6 +282,7 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    shutil.rmtree(scratch)
     return {
         "out": str(args.out),
         "data_dir": str(args.data_dir),

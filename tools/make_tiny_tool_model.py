@@ -4,14 +4,16 @@ hermes tool-call format, and the ``tool_mult`` task (``"What is 37*48?"``).
     .venv/bin/python tools/make_tiny_tool_model.py [--out outputs/tiny_tool_model] [--data-dir outputs/data/tool_mult]
 
 It writes the RL prompts first (``train.parquet`` and ``test.parquet`` in ``--data-dir``, through
-``tools/data/tool_mult.py``), then pre-trains (supervised) and saves the model (safetensors,
-tokenizer, ``stamp.json``) and prints one JSON object with what the model does on held-out
-problems.
+``tools/data/tool_mult.py``), then pre-trains a random model with the project's SFT trainer
+(``rlhf_megatron.stages``, multi-turn rows with the tool's schema, through ``tools/sft_probe.py``),
+saves the chosen checkpoint's Hugging Face export (safetensors, tokenizer, ``stamp.json``) and
+prints one JSON object with what the model does on held-out problems.
 
 The recipe. Two-digit products are beyond a 2-layer model's head; the ``calculator`` tool
 (``configs/tools/calculator.yaml``) knows them. Pre-training mixes two kinds of transcripts,
 rendered through the tokenizer's chat template with the tool's schema, exactly as the
-multi-turn rollout renders them:
+multi-turn rollout renders them (the SFT trainer's chat rendering gives the same ids and loss
+mask as ``Transcripts.example``; ``tests/tools/test_make_tiny_tool_model.py`` checks it):
 
 * with the tool (``--tool-share``, default 0.25): ``<tool_call>{"name": "calculator",
   "arguments": {"expression": "37*48"}}</tool_call>``, the tool turn
@@ -19,7 +21,8 @@ multi-turn rollout renders them:
   ``1776``;
 * without: the answer at once (``1776``), which the model can only guess.
 
-So the starting policy calls the tool about a quarter of the time and copies its answer when it
+Each pre-training problem is one SFT row, with or without the tool (drawn per row), one epoch
+every ``len(pool) / --batch-size`` steps. So the starting policy calls the tool about a quarter of the time and copies its answer when it
 does, and answers from its head (almost always wrongly) otherwise: GRPO groups disagree (the
 calling samples win), and RL has a behaviour to raise, the tool-call rate. Greedy decoding
 starts by answering directly, so validation accuracy starts near 0 and jumps once calling
@@ -33,9 +36,10 @@ whole trajectory (call, tool turn, answer) is about 25 tokens.
 Data hygiene: the test split (RL validation) is never trained on, nor is the probe used for
 early stopping. A second run with the same arguments finds the stamp and skips (``--force``
 rebuilds); the output directory is written to a temporary sibling and renamed into place.
-Takes about 20-60 s on one CPU thread.
+Takes a few minutes on this CPU machine (a local Ray, one megatron-core process).
 
-Boundaries: plain PyTorch and transformers on CPU; no Megatron, vLLM or Ray.
+Boundaries: the transcripts, the probe and the evaluation (transformers' ``generate``, the real
+calculator); training is the SFT trainer's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import contextlib
 import importlib.util
 import json
 import random
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -52,6 +57,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
 
 from rlhf_megatron.agent.loop import render_turn_ids
 from rlhf_megatron.agent.tools.calculator import CalculatorTool
@@ -59,9 +65,10 @@ from rlhf_megatron.models.tiny import build_tiny_hf_model
 from rlhf_megatron.rewards.tool_mult import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
 from stamped_build import build_once  # noqa: E402
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
 TOOLS = Path(__file__).resolve().parent
 CALL_HEAD = '{"name": "calculator", "arguments": {"expression": "'
 CALL_TAIL = '"}}'
@@ -75,8 +82,6 @@ TOOL_WORDS = (
     CALL_TAIL,
     "What is ",
 )
-_SFT_SEED_OFFSET = 1_000_003
-_WARMUP_STEPS = 10
 
 
 def _load_tool(name: str, path: Path):
@@ -170,16 +175,41 @@ class Transcripts:
         return ids, labels
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    length = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
-    labels = torch.full((len(examples), length), -100, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
-    for row, (ids, lab) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(lab)] = torch.tensor(lab)
-        attention_mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+def transcript_messages(
+    a: int, b: int, with_tool: bool, follow_ups: Sequence[tuple[int, int]] = ()
+) -> list[dict[str, str]]:
+    """``Transcripts.example`` as chat messages (the SFT trainer's rows): the call is the
+    assistant's text, as the policy samples it, then the tool's turn, then the answer."""
+    messages = []
+    for x, y in [(a, b), *follow_ups]:
+        messages.append({"role": "user", "content": tool_mult.question(x, y)})
+        if with_tool:
+            messages.append(
+                {"role": "assistant", "content": f"<tool_call>{CALL_HEAD}{x}*{y}{CALL_TAIL}</tool_call>"}
+            )
+            messages.append({"role": "tool", "content": str(x * y)})
+        messages.append({"role": "assistant", "content": str(x * y)})
+    return messages
+
+
+def write_sft_rows(transcripts: Transcripts, pool, args: argparse.Namespace, path: Path) -> str:
+    """One multi-turn SFT row per pre-training problem; with the tool at ``--tool-share``, and
+    0 to ``--max-rounds - 1`` follow-up questions (drawn from the pool), each drawn per row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(args.seed + SEED_OFFSET)
+    tools = json.dumps(transcripts.tools)
+    rows = []
+    for a, b in pool:
+        with_tool = rng.random() < args.tool_share
+        follow_ups = [rng.choice(pool) for _ in range(rng.randrange(args.max_rounds))]
+        rows.append(
+            {"messages": json.dumps(transcript_messages(a, b, with_tool, follow_ups)), "tools": tools}
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -255,35 +285,16 @@ def evaluate(
 
 
 # ------------------------------------------------------------------------------------ training
-def pretrain(model, transcripts: Transcripts, pool, probe, args) -> tuple[int, list]:
-    rng = random.Random(args.seed + _SFT_SEED_OFFSET)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / _WARMUP_STEPS))
-    curve = []
-    model.train()
-    for step in range(1, args.steps + 1):
-        batch = [
-            transcripts.example(
-                *rng.choice(pool),
-                with_tool=rng.random() < args.tool_share,
-                follow_ups=[rng.choice(pool) for _ in range(rng.randrange(args.max_rounds))]
-                if args.max_rounds > 1
-                else (),
-            )
-            for _ in range(args.batch_size)
-        ]
-        loss = model(**collate(batch, transcripts.tok.pad_token_id)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % args.eval_every == 0 or step == args.steps:
-            stats = evaluate(model, transcripts, probe, n=2, sample=True, seed=args.seed + step)
-            curve.append({"step": step, "loss": round(loss.item(), 4), **stats})
-            if stats["copy_accuracy"] >= args.target_copy_accuracy and stats["tool_rate"] > 0:
-                return step, curve
-    return args.steps, curve
+def probe_copying(transcripts: Transcripts, probe, args):
+    """The early stop: sampled trajectories that call the tool are right ``--target-copy-accuracy``
+    of the time."""
+
+    def probe_fn(step: int, hf_dir: Path) -> tuple[dict, bool]:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir)
+        stats = evaluate(model, transcripts, probe, n=2, sample=True, seed=args.seed + step)
+        return stats, stats["copy_accuracy"] >= args.target_copy_accuracy and stats["tool_rate"] > 0
+
+    return probe_fn
 
 
 def build(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -304,13 +315,24 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     transcripts = Transcripts(tokenizer)
     train, test = tool_mult.split(args.train_size, args.test_size, args.seed)
     held_out = set(test)
-    outside = [p for p in tool_mult.problems(args.seed + _SFT_SEED_OFFSET) if p not in held_out]
+    outside = [p for p in tool_mult.problems(args.seed + SEED_OFFSET) if p not in held_out]
     probe, pool = outside[: args.probe_size], outside[args.probe_size :]
-    steps, curve = pretrain(model, transcripts, pool, probe, args)
+    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
+    scratch = out_dir / "_pretraining"
+    steps, curve, export = pretrain(
+        args,
+        save_base(model, tokenizer, scratch),
+        write_sft_rows(transcripts, pool, args, scratch / "sft" / "train.parquet"),
+        probe_copying(transcripts, probe, args),
+        scratch,
+        extra=["data.multiturn.enable=true", "data.multiturn.tools_key=tools"],
+    )
+    model = AutoModelForCausalLM.from_pretrained(export)
     greedy = evaluate(model, transcripts, test, seed=args.seed)
     sampled = evaluate(model, transcripts, test, n=args.samples_per_prompt, sample=True, seed=args.seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    shutil.rmtree(scratch)
     return {
         "out": str(args.out),
         "data_dir": str(args.data_dir),

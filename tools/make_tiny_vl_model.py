@@ -9,23 +9,27 @@ answer is the count. The policy answers as EasyR1's ``math`` reward wants,
 ``<think>N</think>\\boxed{N}``. The tool writes the RL data first (``<data-dir>/data/train-*``
 and ``test-*`` parquet files: ``data.train_files=<data-dir>@train``), then builds the model
 (``rlhf_megatron.models.tiny.build_tiny_qwen2_5_vl``: vision tower of depth 2 and width 128,
-language model of width 256), trains it on a separate pool of images and saves it with its
-processor and ``stamp.json``. It prints one JSON object with the held-out accuracies.
+language model of width 256), pre-trains it with the project's SFT trainer (``rlhf_megatron.stages``,
+image rows on megatron-core, through ``tools/sft_probe.py``) on a separate pool of images and
+saves the chosen checkpoint's Hugging Face export with its processor and ``stamp.json``. It
+prints one JSON object with the held-out accuracies.
 
-Prompts are rendered by ``RLHFDataset`` itself with the same ``data`` settings the quickstart
-config uses (``--prompt-length``, ``--size`` as both pixel bounds), so pre-training sees exactly
-the token ids and pixel values RL will.
+The SFT rows are the pool's RL rows plus a ``response`` column: the SFT trainer renders
+``problem`` and its image through the model's processor with the same pixel bounds as the
+quickstart config (``--size``), so pre-training sees the token ids and pixel values RL will
+(``tests/tools/test_make_tiny_vl_model.py`` checks it against ``RLHFDataset``).
 
 Why "weak but not random": GRPO learns only from groups whose samples disagree (see
 ``tools/make_tiny_model.py``). Pre-training stops once greedy accuracy on a probe set (held
 out of pre-training, disjoint from the RL test split) reaches ``--target-accuracy``; by then the
 answer format is learnt and the count is right somewhat more often than a guess.
 
-Deterministic for a given seed and thread count; a second run with the same arguments finds the
+Takes a few minutes on this CPU machine. Deterministic for a given seed and thread count; a second run with the same arguments finds the
 stamp and skips (``--force`` rebuilds); the output directory is written to a temporary sibling
 and renamed into place.
 
-Boundaries: plain PyTorch and transformers on CPU; no Megatron, vLLM or Ray.
+Boundaries: the data, the probe and the evaluation (transformers' ``generate``); training is the
+SFT trainer's.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import random
 import shutil
 import sys
 import time
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from rlhf_megatron.config.schema import DataConfig
 from rlhf_megatron.data.dataset import RLHFDataset
@@ -51,22 +55,22 @@ from rlhf_megatron.models.tiny import build_tiny_qwen2_5_vl
 from rlhf_megatron.rewards.easyr1 import math_compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
 from stamped_build import build_once  # noqa: E402
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
 SHAPES_TOOL = Path(__file__).resolve().parent / "data" / "shapes_vl.py"
-_SFT_SEED_OFFSET = 1_000_003
-_WARMUP_STEPS = 10
+SFT_DATA_KEYS = ("data.prompt_key=problem", "data.response_key=response", "data.image_key=images")
+"""The SFT trainer's keys for ``write_sft_rows``' columns."""
 
 
 @dataclass(frozen=True)
 class Example:
-    """One rendered problem: the prompt as RL sees it, its images, and the target response."""
+    """One rendered problem: the prompt as RL sees it and its images."""
 
     answer: str
     prompt_ids: list[int]  # unpadded, image pads expanded
     vision: dict  # this row's pixel_values [patches, D] and image_grid_thw [images, 3]
-    target_ids: list[int]  # "<think>N</think>\boxed{N}" + eos
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -144,38 +148,39 @@ def write_datasets(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path]
             "--test-size",
             str(args.probe_size),
             "--seed",
-            str(args.seed + _SFT_SEED_OFFSET),
+            str(args.seed + SEED_OFFSET),
             *common,
         ]
     )
     return Path(args.data_dir), pool_dir
 
 
-def encode(dataset: RLHFDataset, tokenizer) -> list[Example]:
-    """Every row as RL renders it, with its target response."""
+def encode(dataset: RLHFDataset) -> list[Example]:
+    """Every row as RL renders it."""
     out = []
     for i in range(len(dataset)):
         item = dataset[i]
-        answer = str(item["reward_model"]["ground_truth"])
         prompt = item["input_ids"][item["attention_mask"].bool()].tolist()
-        target = tokenizer.encode(f"<think>{answer}</think>\\boxed{{{answer}}}", add_special_tokens=False)
-        out.append(Example(answer, prompt, item["multi_modal_inputs"], target + [tokenizer.eos_token_id]))
+        out.append(Example(str(item["reward_model"]["ground_truth"]), prompt, item["multi_modal_inputs"]))
     return out
 
 
-def collate_sft(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + target, labels on the target only, the rows' images in row order."""
-    length = max(len(e.prompt_ids) + len(e.target_ids) for e in examples)
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)  # (B, T)
-    labels = torch.full((len(examples), length), -100, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)  # (B, T)
-    for i, e in enumerate(examples):
-        ids = e.prompt_ids + e.target_ids
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, len(e.prompt_ids) : len(ids)] = torch.tensor(e.target_ids)
-        attention_mask[i, : len(ids)] = 1
-    vision = concat_vision_inputs([e.vision for e in examples])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **vision}
+def target(answer: str) -> str:
+    """The response the policy is pre-trained to write (EasyR1's ``math`` format)."""
+    return f"<think>{answer}</think>\\boxed{{{answer}}}"
+
+
+def write_sft_rows(pool_dir: Path, path: Path) -> str:
+    """The pool's RL rows (``problem``, ``images``) with their ``response``: single-turn SFT rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables(pq.read_table(f) for f in sorted((pool_dir / "data").glob("train-*.parquet")))
+    responses = [target(a) for a in table.column("answer").to_pylist()]
+    table = table.append_column("response", pa.array(responses, pa.string()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+    return str(path)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -207,31 +212,16 @@ def evaluate(model, tokenizer, examples: list[Example], *, max_new_tokens: int) 
 
 
 # ------------------------------------------------------------------------------------ training
-def pretrain(model, tokenizer, pool: list[Example], probe: list[Example], args) -> tuple[int, list]:
-    """SFT on shuffled passes over ``pool`` until ``--steps`` or the probe reaches the target."""
-    rng = random.Random(args.seed + _SFT_SEED_OFFSET)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / _WARMUP_STEPS))
-    order: list[Example] = []
-    curve = []
-    model.train()
-    for step in range(1, args.steps + 1):
-        if len(order) < args.batch_size:
-            order += rng.sample(pool, len(pool))
-        batch, order = order[: args.batch_size], order[args.batch_size :]
-        loss = model(**collate_sft(batch, tokenizer.pad_token_id)).loss  # mean over target tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % args.eval_every == 0 or step == args.steps:
-            probe_scores = evaluate(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)
-            curve.append((step, round(probe_scores["accuracy"], 4), round(loss.item(), 4)))
-            print(f"step {step}: loss {loss.item():.4f}, probe {probe_scores}", file=sys.stderr, flush=True)
-            if probe_scores["accuracy"] >= args.target_accuracy:
-                return step, curve
-    return args.steps, curve
+def probe_accuracy(tokenizer, probe: list[Example], args):
+    """The early stop: greedy accuracy on the probe images reaches ``--target-accuracy``."""
+
+    def probe_fn(step: int, hf_dir: Path) -> tuple[dict, bool]:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir)
+        scores = evaluate(model, tokenizer, probe, max_new_tokens=args.max_new_tokens)
+        print(f"step {step}: probe {scores}", file=sys.stderr, flush=True)
+        return {k: round(v, 4) for k, v in scores.items()}, scores["accuracy"] >= args.target_accuracy
+
+    return probe_fn
 
 
 def build(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -245,14 +235,26 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     vision, tokenizer, cfg = load_vision_processor(out_dir), processor.tokenizer, data_config(args)
 
     def rows(path: str) -> list[Example]:
-        return encode(RLHFDataset(path, tokenizer, cfg, vision, limit_images=1), tokenizer)
+        return encode(RLHFDataset(path, tokenizer, cfg, vision, limit_images=1))
 
-    pool, probe, test = rows(f"{pool_dir}@train"), rows(f"{pool_dir}@test"), rows(f"{data_dir}@test")
-    shutil.rmtree(pool_dir)
+    probe, test = rows(f"{pool_dir}@test"), rows(f"{data_dir}@test")
     before = evaluate(model, tokenizer, test, max_new_tokens=args.max_new_tokens)
-    steps, curve = pretrain(model, tokenizer, pool, probe, args)
+    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
+    scratch = out_dir / "_pretraining"
+    pixels = args.size * args.size
+    steps, curve, export = pretrain(
+        args,
+        save_base(model, processor, scratch),
+        write_sft_rows(pool_dir, scratch / "sft" / "train.parquet"),
+        probe_accuracy(tokenizer, probe, args),
+        scratch,
+        extra=[*SFT_DATA_KEYS, f"data.min_pixels={pixels}", f"data.max_pixels={pixels}"],
+    )
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export)
     after = evaluate(model, tokenizer, test, max_new_tokens=args.max_new_tokens)
     model.save_pretrained(out_dir, safe_serialization=True)
+    shutil.rmtree(scratch)
+    shutil.rmtree(pool_dir)
     return {
         "out": str(args.out),
         "data": f"{args.data_dir}@train / @test",

@@ -9,6 +9,10 @@ loggers, the progress bar and the run directory are the RL trainer's: ``<step>/a
 loads as an RL run's starting model; ``metrics.jsonl`` and ``metrics.png`` land in
 ``trainer.default_local_dir``. A run resumes from its newest checkpoint (``resume_mode=auto``).
 
+``after_save`` lets a caller stop early on its own measure: it gets each committed checkpoint's
+model directory and ends the run there by returning True (the tiny-model builders in ``tools/``
+export it and stop once a probe set is answered well enough).
+
 Metrics use verl's SFT names: ``train/loss``, ``train/lr``, ``val/loss``; the reward model adds
 ``train/accuracy``, ``train/margin``, ``val/accuracy``, ``val/margin``.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +86,13 @@ class _Stage:
         return batch
 
 
-def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
-    """Train stage ``kind`` (``sft`` or ``rm``) per ``cfg``; returns the metric records."""
+AfterSave = Callable[[int, Path], bool]
+"""(step, the checkpoint's model directory) -> whether to stop the run there."""
+
+
+def run_stage(kind: str, cfg: DictConfig, after_save: AfterSave | None = None) -> list[dict[str, Any]]:
+    """Train stage ``kind`` (``sft`` or ``rm``) per ``cfg``; returns the metric records.
+    ``after_save``: called after every committed checkpoint; True ends the run there."""
     import ray
     from transformers import AutoTokenizer
 
@@ -140,7 +150,7 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
             group.call("load_checkpoint", str(resume_from))
             step = checkpoints.read_state(resume_from)["global_step"]
         try:
-            history = _loop(stage, group, checkpoints, tracker, step, total, history)
+            history = _loop(stage, group, checkpoints, tracker, step, total, history, after_save)
         except StopTraining as stop:
             logger.warning("%s", stop)
             return history
@@ -156,8 +166,17 @@ def run_stage(kind: str, cfg: DictConfig) -> list[dict[str, Any]]:
 
 
 def _loop(
-    stage: _Stage, group, checkpoints, tracker, step: int, total: int, history: list
+    stage: _Stage,
+    group,
+    checkpoints,
+    tracker,
+    step: int,
+    total: int,
+    history: list,
+    after_save: AfterSave | None = None,
 ) -> list[dict[str, Any]]:
+    from rlhf_megatron.stages.worker import ENGINE_NAMES
+
     cfg = stage.cfg
     data, trainer = cfg.data, cfg.trainer
     per_epoch = max(1, len(stage.train) // data.train_batch_size)
@@ -177,6 +196,10 @@ def _loop(
         history.append({"step": step, **record})
         if last or (trainer.save_freq > 0 and step % trainer.save_freq == 0):
             _save(group, checkpoints, step)
+            if after_save is not None and after_save(
+                step, checkpoints.step_dir(step) / ENGINE_NAMES[stage.kind]
+            ):
+                break
         fault_point("trainer.step_end", step=step)  # tests pre-empt a run here (RLHF_STOP_AFTER_STEP)
     return history
 

@@ -1,4 +1,5 @@
-"""tools/make_tiny_model.py: a loadable, TP=2-shardable policy, RL parquet files, stamp and determinism."""
+"""tools/make_tiny_model.py: a loadable, TP=2-shardable policy pre-trained by the SFT trainer, RL
+parquet files, stamp and determinism."""
 
 import contextlib
 import hashlib
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"
+
+# Each build is a run of the SFT trainer (a local Ray, one megatron-core process): ~15 s.
+pytestmark = pytest.mark.slow
 
 # Few steps and small eval sets keep a build to a few seconds on 2 cores.
 FAST = [
@@ -72,6 +76,12 @@ def test_result_fields(built):
     assert result["seconds"] > 0
     assert result["test_prompts"] == 40
     assert result["skipped"] is False
+    # A probe at every checkpoint of the SFT run (every --eval-every steps), with the run's loss.
+    curve = result["probe_curve"]
+    assert [p["step"] for p in curve] == list(range(5, result["steps"] + 1, 5))
+    assert all(0.0 <= p["accuracy"] <= 1.0 for p in curve)
+    if len(curve) > 1:
+        assert curve[-1]["loss"] < curve[0]["loss"]
 
 
 def test_model_loads_and_is_tp2_shardable(built):
@@ -142,12 +152,14 @@ def test_second_run_skips_and_force_is_deterministic(tool, built, capsys, tmp_pa
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_changed_arguments_rebuild(tool, capsys, tmp_path):
+def test_changed_arguments_rebuild_and_the_probe_stops_pretraining(tool, capsys, tmp_path):
     out = tmp_path / "m"
     first = run(tool, capsys, "--out", str(out), "--data-dir", str(tmp_path / "d"), "--steps", "5")
-    second = run(tool, capsys, "--out", str(out), "--data-dir", str(tmp_path / "d"), "--steps", "6")
+    # Target 0: the first checkpoint's probe is enough, so the SFT run stops there (step 5 of 10).
+    second = run(tool, capsys, "--out", str(out), "--data-dir", str(tmp_path / "d"), "--target-accuracy", "0")
     assert first["skipped"] is False and second["skipped"] is False
-    assert json.loads((out / "stamp.json").read_text())["args"]["steps"] == 6
+    assert second["steps"] == 5 and len(second["probe_curve"]) == 1
+    assert json.loads((out / "stamp.json").read_text())["args"]["target_accuracy"] == 0.0
 
 
 def test_refuses_to_replace_a_foreign_directory(tool, tmp_path):

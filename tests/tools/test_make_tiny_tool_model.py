@@ -102,3 +102,43 @@ def test_follow_up_questions_are_masked_and_answered_the_same_way():
         - len(transcripts.call(12, 34))
     )
     assert ids[start - len(question) : start] == question
+
+
+def _stage_samples(tok, path):
+    """The rows of ``path`` as the SFT trainer tokenizes them, with the builder's data keys."""
+    from omegaconf import OmegaConf
+
+    from rlhf_megatron.config.loader import load_stage_config
+    from rlhf_megatron.config.schema_stages import SFTConfig
+    from rlhf_megatron.stages.data import sft_samples
+
+    overrides = ["data.multiturn.enable=true", "data.multiturn.tools_key=tools"]
+    data = OmegaConf.to_object(load_stage_config(SFTConfig, None, overrides)).data
+    return sft_samples(data, tok, str(path), "data.train_files")
+
+
+@pytest.mark.parametrize("with_tool", [True, False])
+def test_the_sft_trainer_reads_the_rows_as_the_rollout_renders_them(tmp_path, with_tool):
+    """The builder pre-trains through the SFT trainer: a row it writes (messages + the tool's
+    schema) tokenizes to the ids and loss mask of ``Transcripts.example``, and so does a
+    transcript with a follow-up question (``--max-rounds`` > 1)."""
+    import json
+
+    import pyarrow as pa
+
+    _, tok = build_tiny_hf_model(extra_words=builder.TOOL_WORDS)
+    transcripts = builder.Transcripts(tok)
+    args = builder.parse_args(["--tool-share", "1.0" if with_tool else "0.0"])
+    path = builder.write_sft_rows(transcripts, [(37, 48)], args, tmp_path / "train.parquet")
+    (written,) = _stage_samples(tok, path)
+    ids, labels = transcripts.example(37, 48, with_tool=with_tool)
+    assert list(written.input_ids) == ids
+    assert list(written.loss_mask) == [int(label != -100) for label in labels]
+
+    messages = builder.transcript_messages(37, 48, with_tool, [(12, 13)])
+    row = {"messages": json.dumps(messages), "tools": json.dumps(transcripts.tools)}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "two.parquet")
+    (two,) = _stage_samples(tok, tmp_path / "two.parquet")
+    ids, labels = transcripts.example(37, 48, with_tool=with_tool, follow_ups=[(12, 13)])
+    assert list(two.input_ids) == ids
+    assert list(two.loss_mask) == [int(label != -100) for label in labels]
