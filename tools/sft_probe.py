@@ -1,7 +1,8 @@
 """Supervised pre-training for the tiny-model builders, on the project's SFT trainer.
 
-``sft_until`` runs ``rlhf_megatron.stages.driver.run_stage("sft", ...)`` (the engine, data path and
-checkpoints ``python -m rlhf_megatron.sft`` uses) on one CPU process, saving every ``every`` steps.
+``pretrain`` runs ``rlhf_megatron.stages.driver.run_stage("sft", ...)`` (the engine, data path
+and checkpoints ``python -m rlhf_megatron.sft`` uses) on one CPU process, saving every
+``--eval-every`` steps of the builder's arguments (``sft_overrides``).
 After each save it exports the checkpoint to Hugging Face (``convert_mcore_to_hf``, as
 ``rlhf-megatron convert mcore-to-hf`` does) and asks the builder's probe about it; the first probe
 that says "done" ends the run. The builders then evaluate and publish that export.
@@ -89,9 +90,10 @@ def save_base(model, processor, scratch: Path) -> Path:
 
 
 def sft_until(overrides: Sequence[str], probe: Probe, scratch: Path) -> tuple[int, list[dict], Path]:
-    """SFT per ``overrides`` (stage config ``key=value`` strings), probing each checkpoint's export; stops at the
-    first probe that says done, else after the last step. Returns (the step stopped at, one
-    record per probe: step, train loss and the probe's scores, the chosen export's directory)."""
+    """SFT per ``overrides`` (stage config ``key=value`` strings), probing each checkpoint's
+    export; stops at the first probe that says done, else after the last step. Returns (the step
+    stopped at, one record per probe: step, train loss and the probe's scores, the chosen
+    export's directory)."""
     from rlhf_megatron.config.loader import load_stage_config
     from rlhf_megatron.config.schema_stages import SFTConfig
     from rlhf_megatron.convert import convert_mcore_to_hf
