@@ -2,7 +2,9 @@
 
 One uninterrupted 3-step run (checkpoint every step; the session's shared ``reference_run``) is the
 reference: runs that are killed (a worker mid-generation, mid-update or mid-weight-sync, the driver
-mid-save) and restarted with resume_mode=auto must reproduce its metrics exactly. Faults are injected with the ``RLHF_FAULT`` test hook
+mid-save) and restarted with resume_mode=auto must reproduce its metrics exactly. The kills that a
+new process resumes share one run directory, one after another, so each restart also starts from
+a run that was itself resumed. Faults are injected with the ``RLHF_FAULT`` test hook
 (``tests/fault_hooks.py``).
 
 That equality is also the determinism check: the killed run's step 1 is a fresh run's (same seed,
@@ -81,49 +83,47 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     assert "[actor] rank 1" in death["message"] and "update_actor" in death["message"]
 
 
-@pytest.mark.parametrize(
-    "fault, rank, method", [("gen:2:0", 0, "generate_sequences"), ("sync:2:1", 1, "sync_weights")]
-)
-def test_worker_killed_during_generation_or_weight_sync_is_reported_and_resume_matches(
-    tiny_run_inputs, tmp_path, reference_run, fault, rank, method
+def test_workers_then_the_driver_killed_are_reported_and_each_resume_matches(
+    tiny_run_inputs, tmp_path, reference_run
 ):
+    """Three deaths in one run directory, each resumed by a new process: rank 0 in step 2's
+    generation (before the step's checkpoint); then, in the resumed run, rank 1 in step 3's
+    weight sync (after the update, before vLLM had the new weights); then, in the next, the driver
+    in the middle of step 3's save. Each worker death is reported by role, rank and call; each
+    restart redoes the lost step from the last complete checkpoint; the records at the end equal
+    the uninterrupted run's."""
     run = tmp_path / "run"
-    start, shm_before = time.monotonic(), shm_names()
-    proc, records = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": fault}
+    # Worker fault points count the updates of their process: a resumed run's second is step 3.
+    deaths = [("gen:2:0", 0, "generate_sequences", [1]), ("sync:2:1", 1, "sync_weights", [1, 2])]
+    for fault, rank, method, logged in deaths:
+        start, shm_before = time.monotonic(), shm_names()
+        proc, records = run_train(
+            "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": fault}
+        )
+        assert proc.returncode != 0
+        assert f"[actor] rank {rank}" in proc.stderr and f"process died during {method}" in proc.stderr, (
+            proc.stderr[-3000:]
+        )
+        assert time.monotonic() - start < BOUND_S
+        # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
+        # killed workers left nothing in /dev/shm for the restart to collide with.
+        assert left_behind(shm_before) == set()
+        assert [r["step"] for r in records] == logged and _marker(run) == str(logged[-1])
+
+    # The driver's save fault point counts global steps.
+    proc, _ = run_train(
+        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": "save:3"}
     )
-    assert proc.returncode != 0
-    assert f"[actor] rank {rank}" in proc.stderr and f"process died during {method}" in proc.stderr, (
-        proc.stderr[-3000:]
-    )
-    assert time.monotonic() - start < BOUND_S
-    # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
-    # killed workers left nothing in /dev/shm for the restart to collide with.
-    assert left_behind(shm_before) == set()
-    assert [r["step"] for r in records] == [1] and _marker(run) == "1"
-    # Step 2 died before its checkpoint (mid-rollout, or after the update but before vLLM had the
-    # new weights): the restart redoes step 2 from checkpoint 1 and must match the reference.
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    partial = run / ".global_step_3.tmp"
+    assert list(partial.glob("actor/state_rank*.pt")), "the workers had written step 3's files"
+    assert not (run / "global_step_3").exists() and _marker(run) == "2"
+    assert CheckpointManager(run).complete_steps() == [1, 2]
+
     proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _stable(resumed) == _stable(reference_run[1]), "the resumed run must equal the uninterrupted one"
-
-
-def test_driver_killed_mid_save_keeps_previous_checkpoint_and_resumes(
-    tiny_run_inputs, tmp_path, reference_run
-):
-    run = tmp_path / "run"
-    proc, _ = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": "save:2"}
-    )
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    partial = run / ".global_step_2.tmp"
-    assert list(partial.glob("actor/state_rank*.pt")), "the workers had written step 2's files"
-    assert not (run / "global_step_2").exists() and _marker(run) == "1"
-    assert CheckpointManager(run).complete_steps() == [1]
-    proc, resumed = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _stable(resumed) == _stable(reference_run[1])
-    assert not partial.exists(), "the next save of step 2 replaces the partial directory"
+    assert not partial.exists(), "the next save of step 3 replaces the partial directory"
 
 
 def test_corrupted_checkpoint_file_is_refused_on_resume(tiny_run_inputs, tmp_path, reference_run):
