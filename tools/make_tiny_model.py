@@ -63,12 +63,12 @@ ARITH_TOOL = Path(__file__).resolve().parent / "data" / "arith.py"
 
 @dataclass(frozen=True)
 class Example:
-    """One chat-templated problem: ``prompt_ids`` as RLHFDataset renders it, ``answer_ids`` + eos."""
+    """One chat-templated problem for the probe and the evaluation: ``prompt_ids`` as RLHFDataset
+    renders it (the SFT trainer renders the pre-training rows itself)."""
 
     question: str
     answer: str
     prompt_ids: list[int]
-    answer_ids: list[int]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -154,8 +154,7 @@ def encode(tokenizer, rows: list[dict]) -> list[Example]:
             [{"role": "user", "content": row["question"]}], add_generation_prompt=True, tokenize=False
         )
         prompt = tokenizer.encode(text, add_special_tokens=False)
-        answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        out.append(Example(row["question"], row["answer"], prompt, answer))
+        out.append(Example(row["question"], row["answer"], prompt))
     return out
 
 
