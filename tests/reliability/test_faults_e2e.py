@@ -31,7 +31,8 @@ from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "recovery/")
 EXTRA = REFERENCE_STEPS
-BOUND_S = 150  # a fault must be reported well within this (start-up included)
+BOUND_S = 300  # a fault must be reported well within this (start-up included; a loaded CI machine)
+DEADLINE_S = 60  # trainer.step_timeout_s of the in-job recovery run
 
 
 def _stable(records):
@@ -55,13 +56,21 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     (tmp_path / "once").mkdir()
     # The hang fires in the first attempt's step 1; its restart's workers count from 1 again and
     # reach step 3 (the death) without meeting the hang, which acts once (RLHF_FAULT_ONCE_DIR).
-    recover = {"trainer.max_restarts": 2, "trainer.restart_backoff_s": 0, "trainer.step_timeout_s": 20}
+    # The deadline leaves room for a loaded machine: a step's first generation and first save take
+    # ~5 s each on a quiet one (vLLM's warm-up, the writer thread), and a call of the uninterrupted
+    # steps that outlasted it would be a second, spurious "hung" restart.
+    recover = {
+        "trainer.max_restarts": 2,
+        "trainer.restart_backoff_s": 0,
+        "trainer.step_timeout_s": DEADLINE_S,
+    }
     proc, resumed = run_train(
         "quickstart_cpu",
         train_overrides(tiny_run_inputs, run, **EXTRA, **recover),
         env={"RLHF_FAULT": "hang:1:0,update:3:1", "RLHF_FAULT_ONCE_DIR": str(tmp_path / "once")},
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    restarts = (run / "recovery.jsonl").read_text() if (run / "recovery.jsonl").exists() else "none"
+    assert proc.returncode == 0, f"restarts: {restarts}\n{proc.stderr[-4000:]}"
     assert "restart 1 of 2 (trainer.max_restarts)" in proc.stderr and "after a hung worker" in proc.stderr
     assert "restart 2 of 2 (trainer.max_restarts)" in proc.stderr and "after a died worker" in proc.stderr
     assert _stable(resumed) == _stable(reference_run[1]), "the recovered run must equal the uninterrupted one"
@@ -75,7 +84,9 @@ def test_worker_killed_during_update_is_reported_then_recovered_in_job(
     assert (hang["cause"], hang["failed_step"], hang["resumed_step"]) == ("hung", 1, 0)
     # Rank 1 waits for rank 0 in the update's first collective, so neither answers: both are named ...
     assert "[actor] ranks" in hang["message"], hang["message"]
-    assert "update_actor did not finish within 20 s on ranks [0, 1]" in hang["message"], hang["message"]
+    assert f"update_actor did not finish within {DEADLINE_S} s on ranks [0, 1]" in hang["message"], hang[
+        "message"
+    ]
     # ... and their stacks tell the rank that stopped from the rank waiting for it.
     assert "rank 0 (not in a collective) at tests/fault_hooks.py:" in hang["message"], hang["message"]
     assert "rank 1 (waiting in a collective)" in hang["message"], hang["message"]
