@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -237,6 +238,21 @@ def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
 
 
+def _in_process_write_results() -> None:
+    """Give megatron's checkpoint writer an in-process queue for its results.
+
+    megatron's ``torch_dist`` writer forks processes that write the files, and the call that
+    collects them puts the results on a queue that the save then reads. It creates that queue
+    on first use as ``multiprocessing.get_context("spawn").Manager().Queue()``: a new Python
+    interpreter, ~3 s of every process's first save on a 2-core machine. A synchronous save
+    (the only kind here) puts and reads it in this process, where a plain ``queue.Queue`` does
+    the same. An asynchronous save (``async_sharded_save``, not used) would need the manager's."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_model_checkpoint(
     model_chunks: Sequence[torch.nn.Module],
     ckpt_dir: str | Path,
@@ -257,6 +273,7 @@ def save_model_checkpoint(
     if torch.distributed.get_rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
+    _in_process_write_results()
     dist_checkpointing.save(_sharded_state_dict(model_chunks), str(ckpt_dir))
     torch.distributed.barrier()  # every rank's shards are on disk before they are hashed
     dtype = next(unwrap_model(model_chunks[0]).parameters()).dtype

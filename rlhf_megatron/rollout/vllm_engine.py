@@ -60,6 +60,38 @@ from rlhf_megatron.weights.plan import LOAD_FORMATS
 logger = logging.getLogger(__name__)
 
 
+RANK_CHUNK_ELEMENTS = 1 << 26
+"""Logits per chunk of the eager token-rank count (a boolean temporary of this many bytes)."""
+
+
+def _patch_vllm_cpu_token_ranks() -> None:
+    """Rank sampled tokens eagerly on CPU.
+
+    vLLM ranks every sampled token among the vocabulary (``batched_count_greater_than``, the
+    count of logits at or above its own) with a ``torch.compile``'d kernel. On CPU its first
+    call traces and compiles it with inductor in every engine process: 3-5 s of each run's
+    start-up on a 2-core machine, for a comparison and a sum. The same count is computed here
+    eagerly, in row chunks that bound the boolean temporary to ``RANK_CHUNK_ELEMENTS`` bytes (the
+    memory the compiled kernel exists to save). GPU builds keep vLLM's kernel."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return
+    if getattr(sampler.batched_count_greater_than, "_rlhf_eager", False):
+        return
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        rows = max(1, RANK_CHUNK_ELEMENTS // max(x.shape[-1], 1))
+        if x.shape[0] <= rows:
+            return (x >= values).sum(-1)
+        return torch.cat(
+            [(x[i : i + rows] >= values[i : i + rows]).sum(-1) for i in range(0, x.shape[0], rows)]
+        )
+
+    batched_count_greater_than._rlhf_eager = True  # type: ignore[attr-defined]
+    sampler.batched_count_greater_than = batched_count_greater_than
+
+
 def _patch_vllm_cpu_shm_names() -> None:
     """Make vLLM-CPU's shared-memory segment names unique per process group.
 
@@ -330,6 +362,7 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = rollout.enable_sleep_mode
         else:
             _patch_vllm_cpu_shm_names()
+            _patch_vllm_cpu_token_ranks()
             dtype_bytes = 4 if dtype == "float32" else 2
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
                 model_path, max_model_len, rollout.max_num_seqs, dtype_bytes

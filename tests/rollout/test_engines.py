@@ -248,3 +248,27 @@ def test_assemble_routes_aligns_engine_routes_with_the_input_columns():
         assemble_routes([r0, None], [2, 4], 4, 3)
     with pytest.raises(ValueError, match="2 route arrays for 3 rollout rows"):
         assemble_routes([r0, r1], [2, 4, 1], 4, 3)
+
+
+def test_cpu_token_ranks_are_vllms_count_without_its_compile(monkeypatch):
+    """On CPU the rank of each sampled token is counted eagerly (vLLM's compiled kernel costs
+    3-5 s of every engine's start-up), in row chunks, and equals vLLM's own definition."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    from rlhf_megatron.rollout import vllm_engine
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", sampler.batched_count_greater_than)
+    vllm_engine._patch_vllm_cpu_token_ranks()
+    eager = sampler.batched_count_greater_than
+    assert getattr(eager, "_rlhf_eager", False)
+    vllm_engine._patch_vllm_cpu_token_ranks()  # idempotent: the eager count is not wrapped again
+    assert sampler.batched_count_greater_than is eager
+    vllms = logprobs.batched_count_greater_than._torchdynamo_orig_callable  # its definition, uncompiled
+    torch.manual_seed(0)
+    x = torch.randn(37, 110).log_softmax(-1)
+    values = x.gather(-1, torch.randint(0, 110, (37, 1)))
+    assert torch.equal(eager(x, values), vllms(x, values))
+    monkeypatch.setattr(vllm_engine, "RANK_CHUNK_ELEMENTS", 110 * 5)  # 5 rows a chunk: 8 chunks
+    assert torch.equal(eager(x, values), vllms(x, values))
+    assert torch.equal(eager(x[:1], values[:1]), vllms(x[:1], values[:1]))
