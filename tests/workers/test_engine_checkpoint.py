@@ -77,9 +77,8 @@ def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
     load_model_checkpoint(restored.chunks, f"{tmp}/model")
     restored.load_checkpoint_state(torch.load(f"{tmp}/state{rank}.pt", weights_only=False))
     step(restored)
-    return (
-        params(original) - params(restored)
-    ).abs().max().item(), f"{results_queue.__module__}.{results_queue.__name__}"
+    diff = (params(original) - params(restored)).abs().max().item()
+    return diff, f"{results_queue.__module__}.{results_queue.__name__}"
 
 
 @pytest.mark.parametrize("steps_before_save", [2, 0], ids=["stepped", "never-stepped"])
