@@ -12,7 +12,12 @@ of features this module counts:
 * ``collectives`` and ``collective_bytes``: TP collectives per layer (2 all-reduces, or with
   sequence parallelism 2 all-gathers + 2 reduce-scatters, doubled in backward; 3 more per
   micro-batch for the vocab-parallel loss), CP's ring exchanges, PP's sends between stages, and
-  the DP gradient all-reduce after each optimizer step;
+  per optimizer step the DP gradient all-reduce and the gradient norm's and non-finite check's
+  synchronisations;
+* ``sharded_bytes``: the distributed optimizer's gradient reduce-scatter and parameter all-gather
+  in place of the all-reduce (priced on their own: over gloo the pair costs twice the all-reduce);
+* ``optimizer_params``: parameters the optimizer steps on one rank per step (the rank's model
+  shard, divided by DP under the distributed optimizer: the memory-bound Adam update it saves);
 * ``engine_steps`` and ``engine_collectives``: vLLM iterations per engine (prefill chunks, then one
   per response token), and at rollout TP > 1 its all-reduces per iteration (2 per layer + the
   step's broadcast);
@@ -61,7 +66,15 @@ UPDATE_PHASES = ("update_critic", "update_actor")
 another (``update``: a layer pass there also runs backward and a share of the optimizer)."""
 FEATURES = {
     "forward": ("flops", "layer_passes", "collectives", "collective_bytes", "fixed"),
-    "update": ("flops", "layer_passes", "collectives", "collective_bytes", "fixed"),
+    "update": (
+        "flops",
+        "layer_passes",
+        "collectives",
+        "collective_bytes",
+        "sharded_bytes",
+        "optimizer_params",
+        "fixed",
+    ),
     "gen": ("flops", "engine_steps", "engine_collectives", "fixed"),
     "sync_weights": ("sync_bytes", "reshards", "fixed"),
     "step": ("fixed",),
@@ -159,17 +172,40 @@ def _train_features(
     collectives = n_micro * (layers * per_layer * (2 if trains else 1) + (3 if tp > 1 else 0) + 2 * (pp - 1))
     act_bytes = micro_tokens * arch.hidden_size * 4
     coll_bytes = n_micro * layers * per_layer * (2 if trains else 1) * act_bytes / max(1, tp)
+    sharded_bytes = optimizer_params = 0.0
+    if trains:
+        collectives += passes * _optimizer_syncs(m, tp, pp, cp, dp)
+        # Adam steps the rank's shard of the model, and with the distributed optimizer 1/DP of it
+        optimizer_params = passes * params.total / (tp * pp) / (dp if m.use_distributed_optimizer else 1)
     if trains and dp > 1:  # the gradient all-reduce (or reduce-scatter + all-gather) per optimizer step
-        grad_bytes = params.total / (tp * pp) * 4
-        collectives += passes * (1 if not m.use_distributed_optimizer else 2)
-        coll_bytes += passes * grad_bytes * 2 * (dp - 1) / dp
+        grad_bytes = params.total / (tp * pp) * 4 * 2 * (dp - 1) / dp
+        if m.use_distributed_optimizer:
+            sharded_bytes += passes * grad_bytes
+        else:
+            coll_bytes += passes * grad_bytes
     return {
         "flops": flops,
         "layer_passes": n_micro * layers * (2 if trains else 1),
         "collectives": collectives,
         "collective_bytes": coll_bytes,
+        "sharded_bytes": sharded_bytes,
+        "optimizer_params": optimizer_params,
         "fixed": 1.0,
     }
+
+
+def _optimizer_syncs(m: DictConfig, tp: int, pp: int, cp: int, dp: int) -> int:
+    """Collectives an optimizer step adds to its gradient reduction (``MegatronEngine.train_step``
+    and megatron's optimizer): the gradient all-reduce (data-parallel), or with the distributed
+    optimizer its reduce-scatter and the parameters' all-gather; the gradient norm's all-reduce
+    wherever gradients are sharded (model parallelism or the distributed optimizer); and the
+    non-finite check's flag all-reduce, except where every rank holds the same gradients."""
+    sharded_model = tp * pp * cp > 1 or m.expert_model_parallel_size > 1
+    distributed = m.use_distributed_optimizer and dp > 1
+    count = (2 if distributed else 1) if dp > 1 else 0
+    count += int(sharded_model or distributed)  # grad norm over the ranks holding shards
+    count += int(sharded_model or m.use_distributed_optimizer)  # NaN/inf flags
+    return count
 
 
 def _gen_features(cfg: DictConfig) -> dict[str, float]:
