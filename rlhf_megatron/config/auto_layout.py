@@ -2,7 +2,8 @@
 
 Role: a layout key set to ``auto`` (actor/ref/critic ``megatron.tensor_model_parallel_size``,
 ``pipeline_model_parallel_size``, ``context_parallel_size``, ``expert_model_parallel_size``, the
-rollout's ``tensor_model_parallel_size``, a per-GPU micro-batch), or every such key a config leaves
+rollout's ``tensor_model_parallel_size``, a per-GPU micro-batch, a trained role's
+``megatron.use_distributed_optimizer``), or every such key a config leaves
 unset under the top-level ``parallelism: auto``, is searched here:
 
 1. ``take_auto`` takes the ``auto`` values out of the loader's flat layers before the typed merge
@@ -14,7 +15,9 @@ unset under the top-level ``parallelism: auto``, is searched here:
    phase (of what vLLM's budget leaves, where it is awake), and ranks them by the cost model's
    predicted step time (``cost_model.predict_step``); per layout it keeps the largest
    micro-batches that fit (fewer passes are faster; found by bisection), or with a pipeline the
-   cheapest of those that fit (smaller ones shrink the bubble);
+   cheapest of those that fit (smaller ones shrink the bubble), sized with the optimizer state
+   sharded; then, with those micro-batches, an unsharded (plain DDP) optimizer where it still
+   fits and is predicted faster;
 3. ``resolve_auto`` writes the winner's numbers back into the config, which then goes through the
    ordinary validation and normalisation. Explicit keys are never changed.
 
@@ -71,6 +74,10 @@ LAYOUT_KEYS = (
     ROLLOUT_TP,
 )
 """Parallel sizes that accept ``auto``."""
+OPTIMIZER_KEYS = tuple(f"{ROLE_SECTIONS[r]}.megatron.use_distributed_optimizer" for r in ("actor", "critic"))
+"""Whether a trained role shards its optimizer state over data parallelism (ZeRO-1): it saves
+memory, and over gloo costs twice the plain all-reduce (a reduce-scatter and an all-gather) plus
+two synchronisations per optimizer step."""
 MICRO_KEYS = tuple(spec.per_gpu_key for spec in MICRO_BATCH_SPECS)
 """Per-GPU micro-batches that accept ``auto``."""
 
@@ -82,12 +89,12 @@ def take_auto(values: dict[str, Any]) -> tuple[set[str], list[str]]:
     for key, value in list(values.items()):
         if value != AUTO:
             continue
-        if key in LAYOUT_KEYS or key in MICRO_KEYS:
+        if key in LAYOUT_KEYS or key in MICRO_KEYS or key in OPTIMIZER_KEYS:
             taken.add(key)
             del values[key]
         elif key.endswith(("_parallel_size", "micro_batch_size")):
             errors.append(
-                f"{key}=auto: only these keys take auto: {', '.join(LAYOUT_KEYS + MICRO_KEYS)} "
+                f"{key}=auto: only these keys take auto: {', '.join(LAYOUT_KEYS + OPTIMIZER_KEYS + MICRO_KEYS)} "
                 "(or the top-level parallelism=auto)"
             )
     return taken, errors
@@ -101,9 +108,11 @@ def searchable_keys(cfg: DictConfig, explicit_auto: set[str], set_keys: set[str]
     have (an overlay's critic under GRPO) is not searched: it keeps the schema's default."""
     roles = set(roles_mod.active_roles(cfg))
     keys = set(explicit_auto) - {s.per_gpu_key for s in MICRO_BATCH_SPECS if s.role not in roles}
+    keys -= {k for k in OPTIMIZER_KEYS if k.split(".")[-3] not in roles}
     if cfg.parallelism == AUTO:
         actor = ROLE_SECTIONS["actor"]
         keys |= {f"{actor}.megatron.{k}" for k in MEGATRON_LAYOUT} | {ROLLOUT_TP}
+        keys |= {k for k in OPTIMIZER_KEYS if k.split(".")[-3] in roles}
         for spec in MICRO_BATCH_SPECS:
             if spec.role not in roles or OmegaConf.select(cfg, spec.dynamic_key, default=False):
                 continue
@@ -126,7 +135,7 @@ def follower_keys(keys: list[str], set_keys: set[str]) -> dict[str, list[str]]:
     actor = f"{ROLE_SECTIONS['actor']}.megatron."
     out = {}
     for key in keys:
-        if key.startswith(actor):
+        if key.startswith(actor) and key[len(actor) :] in MEGATRON_LAYOUT:
             name = key[len(actor) :]
             out[key] = [
                 f"{ROLE_SECTIONS[r]}.megatron.{name}"
@@ -172,7 +181,8 @@ class LayoutSearch:
 
 
 def describe_values(values: dict[str, int]) -> str:
-    """``actor TP1 PP1 CP1 EP1, rollout TP1, micro actor.ppo 32 ref.log_prob 128``."""
+    """``actor TP1 PP1 CP1 EP1 DDP, rollout TP1, micro actor.ppo 32 ref.log_prob 128`` (``DDP``: a
+    plain data-parallel optimizer, ``ZeRO-1``: the distributed one)."""
     abbrev = {"tensor": "TP", "pipeline": "PP", "context": "CP", "expert": "EP"}
     roles: dict[str, list[str]] = {}
     micro = []
@@ -182,6 +192,9 @@ def describe_values(values: dict[str, int]) -> str:
             micro.append(f"{parts[-2]}.{parts[-1].replace('_micro_batch_size_per_gpu', '')} {value}")
             continue
         role = "rollout" if key == ROLLOUT_TP else parts[-3]
+        if key in OPTIMIZER_KEYS:
+            roles.setdefault(role, []).append("ZeRO-1" if value else "DDP")
+            continue
         roles.setdefault(role, []).append(f"{abbrev[parts[-1].split('_')[0]]}{value}")
     out = [f"{role} {' '.join(sizes)}" for role, sizes in roles.items()]
     return ", ".join(out + ([f"micro {' '.join(micro)}"] if micro else []))
@@ -287,6 +300,29 @@ def _best_micro(
     return found
 
 
+def _best_optimizer(
+    cfg: DictConfig,
+    found: Candidate,
+    optimizer_keys: list[str],
+    world_size: int | None,
+    gpu_gb: float | None,
+    followers: dict[str, list[str]],
+    constants: CostConstants,
+) -> Candidate:
+    """``found`` (every searched role's optimizer sharded) or, with its micro-batches, the cheapest
+    variant with some of them unsharded that still fits: a plain DDP optimizer holds the whole
+    fp32 state on every rank, so it is taken only where the memory allows it and it is faster."""
+    for combo in itertools.product((True, False), repeat=len(optimizer_keys)):
+        if all(combo):
+            continue
+        cand = _try(cfg, found.values | dict(zip(optimizer_keys, combo)), world_size, gpu_gb, followers)
+        if isinstance(cand, Candidate) and cand.fits:
+            cand.cost = predict_step(cand._cfg, constants)  # type: ignore[attr-defined]
+            if cand.cost.total < found.cost.total:  # type: ignore[union-attr]
+                found = cand
+    return found
+
+
 def _pipelined(cfg: DictConfig) -> bool:
     """Whether a trained role runs a pipeline (its bubble depends on the micro-batch count)."""
     return any(
@@ -356,6 +392,8 @@ def search_layouts(
     followers = followers or {}
     layout_keys = [k for k in keys if k in LAYOUT_KEYS]
     micro_keys = [k for k in keys if k in MICRO_KEYS]
+    optimizer_keys = [k for k in keys if k in OPTIMIZER_KEYS]
+    sharded = {k: True for k in optimizer_keys}  # the micro-batches are sized with the smaller state
     options = [_layout_values(cfg, k, world) for k in layout_keys]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # each candidate would repeat the config's own warnings
@@ -364,7 +402,9 @@ def search_layouts(
             if not _divides_world(cfg, layout, world):  # what validation would say, without asking it
                 search.invalid += 1
                 continue
-            base = _try(cfg, layout | {k: 1 for k in micro_keys}, world_size, gpu_memory_gb, followers)
+            base = _try(
+                cfg, layout | sharded | {k: 1 for k in micro_keys}, world_size, gpu_memory_gb, followers
+            )
             if isinstance(base, ConfigError):
                 search.invalid += 1
                 search.first_error = search.first_error or base
@@ -372,10 +412,14 @@ def search_layouts(
             best = base
             if base.fits and micro_keys:
                 best = _best_micro(
-                    cfg, layout, micro_keys, base, world_size, gpu_memory_gb, followers, constants
+                    cfg, layout | sharded, micro_keys, base, world_size, gpu_memory_gb, followers, constants
                 )
             if best.fits:
                 best.cost = best.cost or predict_step(best._cfg, constants)  # type: ignore[attr-defined]
+                if optimizer_keys:
+                    best = _best_optimizer(
+                        cfg, best, optimizer_keys, world_size, gpu_memory_gb, followers, constants
+                    )
                 search.ranked.append(best)
             else:
                 search.too_big.append(best)

@@ -305,7 +305,9 @@ class MegatronConfig:
     when TP is 1, as verl does)."""
 
     use_distributed_optimizer: bool = True
-    """Shard fp32 master weights and Adam states over the data-parallel group (ZeRO-1)."""
+    """Shard fp32 master weights and Adam states over the data-parallel group (ZeRO-1). Takes
+    ``auto`` (the actor's and critic's; also under ``parallelism: auto``): sharded, unless the
+    whole state fits and the cost model prices the plain DDP all-reduce faster."""
 
     param_offload: bool = False
     """Move this role's parameters to CPU memory while other roles run."""

@@ -201,3 +201,43 @@ def test_cost_constants_refuse_what_the_model_does_not_price():
         CostConstants(device="cpu", seconds={"train": {"flops": 1.0}}, source="test")
     with pytest.raises(ValueError, match=r"update has no feature \['engine_steps'\]"):
         CostConstants(device="cpu", seconds={"update": {"engine_steps": 1.0}}, source="test")
+
+
+DIST_OPT = A + "actor.megatron.use_distributed_optimizer"
+
+
+def test_optimizer_sharding_costs_its_collectives_and_bytes():
+    ddp = phase_features(load_config("quickstart_cpu", [*TP1, f"{DIST_OPT}=false"]))["update_actor"]
+    zero1 = phase_features(load_config("quickstart_cpu", [*TP1, f"{DIST_OPT}=true"]))["update_actor"]
+    passes = 4  # 32 prompts in mini-batches of 8
+    # ZeRO-1: reduce-scatter + all-gather for the all-reduce, plus the grad norm's and the
+    # non-finite check's all-reduces, which ranks holding the same gradients skip.
+    assert zero1["collectives"] - ddp["collectives"] == 3 * passes
+    assert ddp["sharded_bytes"] == 0 < zero1["sharded_bytes"]
+    assert zero1["collective_bytes"] + zero1["sharded_bytes"] == pytest.approx(ddp["collective_bytes"])
+
+
+def test_auto_takes_the_plain_ddp_optimizer_where_it_fits_and_is_cheaper():
+    cfg = load_config("quickstart_cpu", TP1)
+    priced = {"update": {"sharded_bytes": 1e-9, "collective_bytes": 5e-10}}
+    search = search_layouts(cfg, [DIST_OPT], constants=CostConstants("cpu", priced))
+    assert [c.values[DIST_OPT] for c in search.ranked] == [False]
+    assert "actor TP1 DDP" not in search.ranked[0].describe() and "DDP" in search.ranked[0].describe()
+    # Where the pair costs no more than the all-reduce, the sharded (smaller) state stays.
+    even = {"update": {"sharded_bytes": 5e-10, "collective_bytes": 5e-10}}
+    assert search_layouts(cfg, [DIST_OPT], constants=CostConstants("cpu", even)).ranked[0].values[DIST_OPT]
+    # parallelism: auto searches it; an explicit setting is kept.
+    seen = []
+    load_config("quickstart_cpu", [], on_search=seen.append)
+    assert DIST_OPT in seen[0].keys
+    pinned = load_config("quickstart_cpu", [f"{DIST_OPT}=true"], on_search=seen.append)
+    assert DIST_OPT not in seen[1].keys and OmegaConf.select(pinned, DIST_OPT) is True
+
+
+def test_auto_keeps_the_optimizer_sharded_where_the_whole_state_does_not_fit():
+    """A 7B actor on 8 x 80 GB: its unsharded fp32 state (~12 bytes a parameter) does not fit, so
+    however cheap the plain all-reduce is priced, the search keeps ZeRO-1."""
+    cfg = load_config("models/qwen2.5_7b", [])
+    priced = {"update": {"sharded_bytes": 1.0, "collective_bytes": 1e-12}}
+    search = search_layouts(cfg, [DIST_OPT], constants=CostConstants("cuda", priced))
+    assert [c.values[DIST_OPT] for c in search.ranked] == [True]
