@@ -23,7 +23,12 @@ def _tool():
 
 def test_fit_recovers_known_constants_and_the_order():
     tool = _tool()
-    probe = {"matmul_flops_per_s": 2e10, "allreduce_latency_s": 2e-4, "allreduce_bytes_per_s": 1e9}
+    probe = {
+        "matmul_flops_per_s": 2e10,
+        "allreduce_latency_s": 2e-4,
+        "allreduce_bytes_per_s": 1e9,
+        "sharded_bytes_per_s": 5e8,
+    }
     truth = {
         "forward": {"layer_passes": 1e-3, "collectives": 5e-4, "fixed": 0.01},
         "update": {"layer_passes": 3e-3, "collectives": 1e-3, "fixed": 0.02},
@@ -56,3 +61,50 @@ def test_fit_recovers_known_constants_and_the_order():
     totals = {n: sum(tool.predict(fitted, f).values()) for n, (_, f) in runs.items()}
     measured = {n: m["step"] for n, (m, _) in runs.items()}
     assert sorted(totals, key=totals.get) == sorted(measured, key=measured.get)
+
+
+def test_check_compares_fresh_runs_with_the_stored_predictions(tmp_path, monkeypatch):
+    """``--check``: no fit; each layout's median over rounds against what the stored constants
+    predict for its config, both orders and the pairs ordered alike."""
+    import json
+
+    tool = _tool()
+    layouts = ["tp1_dp2_vllm_tp1", "tp2_sp_vllm_tp2", "tp1_dp2_vllm_tp1_micro8"]
+    steps = {
+        "tp1_dp2_vllm_tp1": [0.40, 0.44],
+        "tp2_sp_vllm_tp2": [0.90, 0.80],
+        "tp1_dp2_vllm_tp1_micro8": [0.50, 0.70],
+    }
+
+    def fake_run(name, overrides, steps_, out):
+        run_dir = out / name
+        run_dir.mkdir(parents=True)
+        (run_dir / "overrides.json").write_text(json.dumps(overrides))
+        return run_dir
+
+    monkeypatch.setattr(tool, "run_layout", fake_run)
+    monkeypatch.setattr(
+        tool,
+        "measured_phases",
+        lambda run_dir, warmup: {"step": steps[run_dir.name][int(run_dir.parent.name[-1])]},
+    )
+    constants = tmp_path / "cpu.json"
+    constants.write_text(
+        json.dumps(
+            {
+                "device": "cpu",
+                "source": "test",
+                "seconds": {"update": {"layer_passes": 1e-3, "collectives": 1e-2}},
+            }
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = tool.check(constants, layouts, 15, 3, 2, tmp_path / "runs")
+    assert result["layouts"]["tp1_dp2_vllm_tp1"]["measured_rounds_s"] == [0.40, 0.44]
+    assert result["layouts"]["tp2_sp_vllm_tp2"]["measured_step_s"] == pytest.approx(0.80)  # the faster round
+    assert result["measured_order"] == ["tp1_dp2_vllm_tp1", "tp1_dp2_vllm_tp1_micro8", "tp2_sp_vllm_tp2"]
+    # Priced by layer passes and TP collectives only: small micro-batches cost 4x the passes, and
+    # TP 2's collectives cost more still.
+    assert result["predicted_order"] == result["measured_order"] and result["order_matches"]
+    assert result["pairs_ordered_as_measured"] == "3/3"
