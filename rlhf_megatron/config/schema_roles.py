@@ -407,8 +407,9 @@ class RolloutConfig:
     load_format: LoadFormat = LoadFormat.hf
     """How actor weights reach vLLM after every update. hf: full tensors with HF names,
     handed to vLLM's own loader (simplest, works everywhere). sharded: tensors already cut
-    for each vLLM TP rank with vLLM's fused names, copied straight into its parameters
-    (GPU only: vLLM on CPU repacks its weights). verl's dummy_megatron / dummy_hf /
+    for each vLLM TP rank with vLLM's fused names, copied straight into its parameters (on
+    CPU, where vLLM packs its GEMM weights, refit in place: only the updated layers are
+    repacked). verl's dummy_megatron / dummy_hf /
     dummy_dtensor / dummy are accepted and mean hf."""
 
     lora_sync: LoraSync = LoraSync.auto
