@@ -19,8 +19,8 @@ Runs, alternating ``--rounds`` times so machine noise hits all of them alike:
   computing what TRL computes (old and reference log-probs, 4 optimizer steps);
 - ``project_bypass``: the same with verl's ``bypass_mode`` (no old-log-prob pass; ``--no-bypass``
   skips this run);
-- ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (``parallelism: auto`` picks the layout
-  and micro-batches; nothing else tuned);
+- ``quickstart``: ``configs/quickstart_cpu.yaml`` as shipped (``parallelism: auto`` picks the layout,
+  the micro-batches and the optimizer's sharding; nothing else tuned);
 - ``quickstart_tp2`` (``--tp2``): ``configs/quickstart_cpu_tp2.yaml`` (Megatron TP=2 + SP, vLLM TP=2,
   the shipped layout before ``auto``);
 - ``trl``: TRL's ``GRPOTrainer`` in one process with 2 threads, generating with
@@ -61,7 +61,9 @@ MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arit
 # vLLM refit in place (load_format=sharded) instead of rebuilt; every prompt of a rank's share
 # (128 x <= 9 tokens) prefilled in one vLLM step instead of two; one micro-batch per log-prob pass;
 # vLLM's compiled model (its default; the project's is eager, which starts faster).
-# None of these changes the maths: the same algorithm, recipe and batch as TRL's run.
+# None of these changes the maths: the same algorithm, recipe and batch as TRL's run. The shipped
+# quickstart now has all but the last two: `parallelism: auto` picks TP=1 x DP=2, the plain DDP
+# optimizer and one micro-batch per pass, and its config prefills in one step.
 FASTEST = [
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -329,6 +331,14 @@ def _summary(runs: dict[str, list[dict]], warmup: int) -> dict:
             "val_after": [round(r["val_after"], 3) for r in results],
             "wall_s": [r["wall_s"] for r in results],
         }
+        names = sorted({k for r in results for k in r.get("phases", {})})
+        phases = {k: [v for r in results for v in r["phases"].get(k, [])[warmup:]] for k in names}
+        if phases:  # each phase's median over the steps that ran it (validation and saves: a few)
+            out[name]["phase_medians_s"] = {
+                k.removeprefix("timing_s/"): round(statistics.median(v), 4)
+                for k, v in sorted(phases.items())
+                if v
+            }
     for trl in ("trl", "trl_defaults"):
         for name in ("project", "project_bypass", "quickstart", "quickstart_tp2"):
             if name in out and trl in out:
