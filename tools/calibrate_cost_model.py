@@ -307,6 +307,30 @@ def _order(times: dict[str, float]) -> list[str]:
     return sorted(times, key=times.get)
 
 
+def run_rounds(layouts: list[str], steps: int, rounds: int, runs_dir: Path) -> None:
+    """Every layout ``rounds`` times, alternating so the machine's slow spells hit all alike, into
+    ``runs_dir/round<k>/<name>``."""
+    for round_ in range(rounds):
+        for name in layouts:
+            start = time.perf_counter()
+            run_layout(name, LAYOUTS[name], steps, runs_dir / f"round{round_}")
+            print(f"{name} round {round_}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def round_dirs(runs_dir: Path, name: str) -> list[Path]:
+    """``name``'s runs under ``runs_dir/round<k>/``, round 0 first."""
+    dirs = sorted(runs_dir.glob(f"round*/{name}"), key=lambda d: int(d.parent.name.removeprefix("round")))
+    if not dirs:
+        raise SystemExit(f"no run of {name} under {runs_dir}/round*/: run the layouts (without --from-runs)")
+    return dirs
+
+
+def fastest(per_round: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's fastest round: a shared machine's slow spells (a whole run at half speed here)
+    only ever add time."""
+    return {k: min(m[k] for m in per_round if k in m) for k in per_round[0]}
+
+
 def check(constants: Path, layouts: list[str], steps: int, warmup: int, rounds: int, runs_dir: Path) -> dict:
     """Out of sample: the stored constants' predicted step of each layout (``predict_step`` on the
     layout's config, as ``plan --auto`` ranks it) against fresh runs, ``rounds`` alternating
@@ -315,17 +339,14 @@ def check(constants: Path, layouts: list[str], steps: int, warmup: int, rounds: 
     from rlhf_megatron.config.cost_model import CostConstants
 
     stored = CostConstants.from_json(constants)
-    measured: dict[str, list[float]] = {name: [] for name in layouts}
-    for round_ in range(rounds):
-        for name in layouts:
-            run_dir = run_layout(name, LAYOUTS[name], steps, runs_dir / f"round{round_}")
-            measured[name].append(measured_phases(run_dir, warmup)["step"])
-            print(f"{name} round {round_}: {measured[name][-1]:.3f} s/step", file=sys.stderr)
+    run_rounds(layouts, steps, rounds, runs_dir)
+    per_round = {name: [measured_phases(d, warmup) for d in round_dirs(runs_dir, name)] for name in layouts}
+    measured = {name: [m["step"] for m in v] for name, v in per_round.items()}
     predicted = {
         name: sum(predict(stored.seconds, run_features(runs_dir / "round0" / name)).values())
         for name in layouts
     }
-    steps_s = {name: min(v) for name, v in measured.items()}
+    steps_s = {name: fastest(v)["step"] for name, v in per_round.items()}
     pairs = [(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :]]
     agree = sum((steps_s[a] < steps_s[b]) == (predicted[a] < predicted[b]) for a, b in pairs)
     return {
@@ -393,24 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         probe_path.write_text(json.dumps(probe_result))
     print(f"probe: {probe_result}", file=sys.stderr)
     if not args.from_runs:
-        for round_ in range(args.rounds):  # alternating, so the machine's slow spells hit all alike
-            for name in args.layouts:
-                start = time.perf_counter()
-                run_layout(name, LAYOUTS[name], args.steps, args.runs_dir / f"round{round_}")
-                print(f"{name} round {round_}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        run_rounds(args.layouts, args.steps, args.rounds, args.runs_dir)
     runs, n_rounds = {}, 0
     for name in args.layouts:
-        rounds = sorted(args.runs_dir.glob(f"round*/{name}"))
-        n_rounds = max(n_rounds, len(rounds))
-        if not rounds:
-            raise SystemExit(
-                f"--from-runs: no run of {name} under {args.runs_dir}/round*/; run without --from-runs"
-            )
-        per_round = [measured_phases(run_dir, args.warmup) for run_dir in rounds]
-        # The fastest round: a shared machine's slow spells (a whole run at half speed here)
-        # only ever add time.
-        measured = {k: min(m[k] for m in per_round if k in m) for k in per_round[0]}
-        runs[name] = (measured, run_features(rounds[0]))
+        dirs = round_dirs(args.runs_dir, name)
+        n_rounds = max(n_rounds, len(dirs))
+        runs[name] = (fastest([measured_phases(d, args.warmup) for d in dirs]), run_features(dirs[0]))
     seconds = fit(probe_result, runs)
     report = {}
     for name, (measured, feats) in runs.items():

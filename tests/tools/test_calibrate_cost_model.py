@@ -64,7 +64,7 @@ def test_fit_recovers_known_constants_and_the_order():
 
 
 def test_check_compares_fresh_runs_with_the_stored_predictions(tmp_path, monkeypatch):
-    """``--check``: no fit; each layout's median over rounds against what the stored constants
+    """``--check``: no fit; each layout's fastest round against what the stored constants
     predict for its config, both orders and the pairs ordered alike."""
     import json
 
