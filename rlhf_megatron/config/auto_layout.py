@@ -311,7 +311,14 @@ def _best_optimizer(
 ) -> Candidate:
     """``found`` (every searched role's optimizer sharded) or, with its micro-batches, the cheapest
     variant with some of them unsharded that still fits: a plain DDP optimizer holds the whole
-    fp32 state on every rank, so it is taken only where the memory allows it and it is faster."""
+    fp32 state on every rank, so it is taken only where the memory allows it and it is faster.
+    A role at DP 1 has nothing to shard over: the same plan and price either way, so not tried."""
+    world = roles_mod.world_size(found._cfg, world_size)  # type: ignore[attr-defined]
+    optimizer_keys = [
+        k
+        for k in optimizer_keys
+        if (roles_mod.data_parallel_size(found._cfg, k.split(".")[-3], world) or 1) > 1  # type: ignore[attr-defined]
+    ]
     for combo in itertools.product((True, False), repeat=len(optimizer_keys)):
         if all(combo):
             continue
