@@ -317,9 +317,16 @@ def run_rounds(layouts: list[str], steps: int, rounds: int, runs_dir: Path) -> N
             print(f"{name} round {round_}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
-def round_dirs(runs_dir: Path, name: str) -> list[Path]:
-    """``name``'s runs under ``runs_dir/round<k>/``, round 0 first."""
-    dirs = sorted(runs_dir.glob(f"round*/{name}"), key=lambda d: int(d.parent.name.removeprefix("round")))
+def round_dirs(runs_dir: Path, name: str, rounds: int | None = None) -> list[Path]:
+    """``name``'s runs under ``runs_dir/round<k>/``, round 0 first: the first ``rounds`` (the ones
+    ``run_rounds`` just wrote, not those an earlier call with more rounds left behind), else all."""
+
+    def round_of(run_dir: Path) -> int:
+        return int(run_dir.parent.name.removeprefix("round"))
+
+    dirs = sorted(runs_dir.glob(f"round*/{name}"), key=round_of)
+    if rounds is not None:
+        dirs = [d for d in dirs if round_of(d) < rounds]
     if not dirs:
         raise SystemExit(f"no run of {name} under {runs_dir}/round*/: run the layouts (without --from-runs)")
     return dirs
@@ -340,12 +347,10 @@ def check(constants: Path, layouts: list[str], steps: int, warmup: int, rounds: 
 
     stored = CostConstants.from_json(constants)
     run_rounds(layouts, steps, rounds, runs_dir)
-    per_round = {name: [measured_phases(d, warmup) for d in round_dirs(runs_dir, name)] for name in layouts}
+    dirs = {name: round_dirs(runs_dir, name, rounds) for name in layouts}
+    per_round = {name: [measured_phases(d, warmup) for d in dirs[name]] for name in layouts}
     measured = {name: [m["step"] for m in v] for name, v in per_round.items()}
-    predicted = {
-        name: sum(predict(stored.seconds, run_features(runs_dir / "round0" / name)).values())
-        for name in layouts
-    }
+    predicted = {name: sum(predict(stored.seconds, run_features(dirs[name][0])).values()) for name in layouts}
     steps_s = {name: fastest(v)["step"] for name, v in per_round.items()}
     pairs = [(a, b) for i, a in enumerate(layouts) for b in layouts[i + 1 :]]
     agree = sum((steps_s[a] < steps_s[b]) == (predicted[a] < predicted[b]) for a, b in pairs)
@@ -417,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rounds(args.layouts, args.steps, args.rounds, args.runs_dir)
     runs, n_rounds = {}, 0
     for name in args.layouts:
-        dirs = round_dirs(args.runs_dir, name)
+        dirs = round_dirs(args.runs_dir, name, None if args.from_runs else args.rounds)
         n_rounds = max(n_rounds, len(dirs))
         runs[name] = (fastest([measured_phases(d, args.warmup) for d in dirs]), run_features(dirs[0]))
     seconds = fit(probe_result, runs)

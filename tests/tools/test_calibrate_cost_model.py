@@ -108,3 +108,18 @@ def test_check_compares_fresh_runs_with_the_stored_predictions(tmp_path, monkeyp
     # TP 2's collectives cost more still.
     assert result["predicted_order"] == result["measured_order"] and result["order_matches"]
     assert result["pairs_ordered_as_measured"] == "3/3"
+
+
+def test_round_dirs_reads_the_rounds_just_run_not_an_earlier_calls_extra_ones(tmp_path):
+    tool = _tool()
+    for k in (0, 1, 2, 10):  # an earlier call ran 11 rounds, this one 2
+        (tmp_path / f"round{k}" / "tp1").mkdir(parents=True)
+    assert [d.parent.name for d in tool.round_dirs(tmp_path, "tp1", 2)] == ["round0", "round1"]
+    assert [d.parent.name for d in tool.round_dirs(tmp_path, "tp1")] == [
+        "round0",
+        "round1",
+        "round2",
+        "round10",
+    ]
+    with pytest.raises(SystemExit, match="no run of tp2"):
+        tool.round_dirs(tmp_path, "tp2")
