@@ -62,8 +62,8 @@ MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arit
 # (128 x <= 9 tokens) prefilled in one vLLM step instead of two; one micro-batch per log-prob pass;
 # vLLM's compiled model (its default; the project's is eager, which starts faster).
 # None of these changes the maths: the same algorithm, recipe and batch as TRL's run. The shipped
-# quickstart now has all but the last two: `parallelism: auto` picks TP=1 x DP=2, the plain DDP
-# optimizer and one micro-batch per pass, and its config prefills in one step.
+# quickstart now has all but the in-place refit and the compiled model: `parallelism: auto` picks
+# TP=1 x DP=2, the plain DDP optimizer and one micro-batch per pass, and its config prefills in one step.
 FASTEST = [
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
