@@ -1,21 +1,24 @@
 """The program the sandbox process runs: harden this process, then run the model's code.
 
-``sandbox.run_python`` sends this file's source to a fresh ``python -s -S -B -c`` with
-``main(params)`` appended (``-S``: the package is not importable there), so the file must stand
-alone: standard library only, nothing from this package, nothing run at import. The parent
-imports it only to read its source.
+``sandbox.run_python`` compiles this file's source once per process, and each fresh ``python -s
+-S -B -c`` loads that code and calls ``main(params)`` (``-S``: the package is not importable
+there), so the file must stand alone: standard library only, nothing from this package, nothing
+run at import. The parent imports it only to read its source.
 
 ``main`` hardens the process before compiling a line of the code, in an order that matters:
-rlimits and the network namespace first (the seccomp filter forbids ``setrlimit`` and
-``unshare`` afterwards), ``no_new_privs`` (Landlock and seccomp require it), Landlock, seccomp,
-then the audit hook (it refuses ``ctypes``, which the steps before it use). The layers and what
-each stops are described in ``sandbox.py``.
+rlimits, the network and mount namespaces and the working directory's own tmpfs first (the
+seccomp filter forbids ``setrlimit``, ``unshare`` and ``mount`` afterwards), ``no_new_privs``
+(Landlock and seccomp require it), Landlock, seccomp, then the audit hook (it refuses ``ctypes``,
+which the steps before it use). The layers and what each stops are described in ``sandbox.py``.
 """
 
 import ctypes
+import errno
 import os
 import resource
+import struct
 import sys
+import types
 
 # struct seccomp_data.arch values.
 _AUDIT_ARCH_X86_64, _AUDIT_ARCH_AARCH64 = 0xC000003E, 0xC00000B7
@@ -78,7 +81,7 @@ def main(p: dict) -> None:
     sys.stdout.reconfigure(line_buffering=True)  # what was printed before a timeout is kept
     if p["report"]:
         print(repr(layers))
-    _run(source, p["memory_exit"])
+    _run(source, p["memory_exit"], p["workdir"] if layers["disk_quota"] else None, p["disk_exit"])
 
 
 def _harden(p: dict) -> dict:
@@ -98,9 +101,17 @@ def _harden(p: dict) -> dict:
     _lower(resource.RLIMIT_CORE, 0)
     _lower(resource.RLIMIT_RTPRIO, 0)
     _lower(resource.RLIMIT_MSGQUEUE, 0)
-    layers = {"rlimits": True, "netns": _unshare_network(libc, is_root)}
+    netns, mountns = _unshare(libc, is_root)
+    layers = {"rlimits": True, "netns": netns}
+    layers["disk_quota"] = mountns and _mount_workdir(libc, p)
+    # With the left-out directories covered, a library directory is one Landlock rule, not one
+    # per entry (hundreds: about 2 ms).
+    coarse = layers["disk_quota"] and all(_cover(libc, path) for path in p["hide"])
+    read_dirs, read_files = (
+        (p["coarse_dirs"], p["coarse_files"]) if coarse else (p["read_dirs"], p["read_files"])
+    )
     layers["no_new_privs"] = _prctl(libc, 38, 1) == 0  # PR_SET_NO_NEW_PRIVS
-    layers["landlock"] = _landlock(libc, p["workdir"]) if layers["no_new_privs"] else 0
+    layers["landlock"] = _landlock(libc, p["workdir"], read_dirs, read_files) if layers["no_new_privs"] else 0
     layers["seccomp"] = _seccomp(libc, os.getpid()) if layers["no_new_privs"] else False
     if not layers["seccomp"] and not is_root:
         _lower(resource.RLIMIT_NPROC, 0)  # no seccomp: at least no new processes (nor threads)
@@ -126,15 +137,21 @@ def _lower(limit: int, soft: int, hard: int | None = None) -> None:
     resource.setrlimit(limit, (soft, hard))
 
 
-def _unshare_network(libc, is_root: bool) -> bool:
-    """A network namespace of our own: only a loopback, and it is down. A non-root user gets
-    one inside a new user namespace, where the kernel allows those."""
-    clone_newnet, clone_newuser = 0x40000000, 0x10000000
+def _unshare(libc, is_root: bool) -> tuple[bool, bool]:
+    """New network and mount namespaces: ``(network, mount)`` for which held. The network one has
+    only a loopback, and it is down. A non-root user gets both inside a new user namespace, where
+    the kernel allows those."""
+    clone_newnet, clone_newns, clone_newuser = 0x40000000, 0x00020000, 0x10000000
     if is_root:
-        return libc.unshare(ctypes.c_int(clone_newnet)) == 0
+        netns = libc.unshare(ctypes.c_int(clone_newnet)) == 0
+        return netns, libc.unshare(ctypes.c_int(clone_newns)) == 0
     uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(ctypes.c_int(clone_newuser | clone_newnet)) != 0:
-        return False
+    if libc.unshare(ctypes.c_int(clone_newuser | clone_newnet | clone_newns)) != 0:
+        if libc.unshare(ctypes.c_int(clone_newuser | clone_newnet)) != 0:
+            return False, False
+        mountns = False
+    else:
+        mountns = True
     try:  # keep our own uid and gid inside the namespace
         for name, text in (
             ("setgroups", "deny"),
@@ -145,7 +162,56 @@ def _unshare_network(libc, is_root: bool) -> bool:
                 f.write(text)
     except OSError:
         pass
+    return True, mountns
+
+
+def _mount_workdir(libc, p: dict) -> bool:
+    """Mount a tmpfs of ``p["disk_bytes"]`` bytes and ``p["disk_inodes"]`` inodes over the working
+    directory, in this process's own mount namespace, and copy the parent's files into it. What
+    the code writes never reaches the disk, is bounded as a whole, and is gone with the process.
+    Returns whether it holds."""
+    ms_nosuid, ms_nodev, ms_noexec, ms_rec, ms_private = 2, 4, 8, 0x4000, 0x40000
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    # Private first: a mount under a shared mount would propagate back to the host's namespace.
+    if libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0:
+        return False
+    workdir = p["workdir"]
+    staged = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)  # the parent's files, under the mount
+    try:
+        options = f"size={p['disk_bytes']},nr_inodes={p['disk_inodes']},mode=0700".encode()
+        flags = ms_nosuid | ms_nodev | ms_noexec
+        if libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", flags, options) != 0:
+            return False
+        os.chdir(workdir)  # the old cwd is the directory beneath the mount
+        _copy_tree(staged, workdir)
+    finally:
+        os.close(staged)
     return True
+
+
+def _cover(libc, path: str) -> bool:
+    """Mount an empty read-only tmpfs over ``path`` (in this process's mount namespace only)."""
+    ms_rdonly, ms_nosuid, ms_nodev, ms_noexec = 1, 2, 4, 8
+    flags = ms_rdonly | ms_nosuid | ms_nodev | ms_noexec
+    return libc.mount(b"tmpfs", path.encode(), b"tmpfs", flags, b"size=4k,nr_inodes=2,mode=0555") == 0
+
+
+def _copy_tree(src_fd: int, dst: str) -> None:
+    """Copy the directory open at ``src_fd`` (written by the parent: trusted, shallow) to ``dst``."""
+    for entry in os.scandir(src_fd):
+        target = os.path.join(dst, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            os.mkdir(target, 0o700)
+            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=src_fd)
+            try:
+                _copy_tree(sub, target)
+            finally:
+                os.close(sub)
+        elif entry.is_file(follow_symlinks=False):
+            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=src_fd)
+            with open(fd, "rb") as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
 
 
 class _PathBeneath(ctypes.Structure):
@@ -153,18 +219,20 @@ class _PathBeneath(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def _landlock(libc, workdir: str) -> int:
-    """Writes only beneath ``workdir`` (and to ``/dev/null``); reads anywhere but ``/proc`` (other
-    processes' ``environ``: Landlock's ptrace scope does not cover it on every kernel) and ``/dev``
-    (devices). Returns the Landlock ABI version applied, 0 when there is none."""
+def _landlock(libc, workdir: str, read_dirs: list[str], read_files: list[str]) -> int:
+    """Reads only beneath ``read_dirs`` and of ``read_files`` (the interpreter's library, the named
+    site-packages, the system libraries, a few ``/etc`` files: the parent's allowlist) and the
+    working directory; writes only beneath the working directory (and to ``/dev/null``). Returns
+    the Landlock ABI version applied, 0 when there is none."""
     abi = _syscall(libc, 444, None, ctypes.c_ulong(0), ctypes.c_ulong(1))  # landlock_create_ruleset(VERSION)
     if abi < 1:
         return 0
-    read = 4  # READ_FILE
+    read = 1 | 4 | 8  # EXECUTE, READ_FILE, READ_DIR
     write = 2 | 16 | 32 | 64 | 128 | 256 | 512 | 1024 | 2048 | 4096  # WRITE_FILE, REMOVE_*, MAKE_*
     write |= 8192 if abi >= 2 else 0  # REFER: links and renames across directories
     write |= 16384 if abi >= 3 else 0  # TRUNCATE
     write |= 32768 if abi >= 5 else 0  # IOCTL_DEV
+    file_only = 1 | 2 | 4 | 16384 | 32768  # the rights a rule on a file (not a directory) may hold
     net = 1 | 2 if abi >= 4 else 0  # BIND_TCP, CONNECT_TCP: none allowed
     scoped = 1 | 2 if abi >= 6 else 0  # abstract unix sockets and signals stay inside the sandbox
     attr = (ctypes.c_uint64 * 3)(write | read, net, scoped)
@@ -172,28 +240,35 @@ def _landlock(libc, workdir: str) -> int:
     ruleset = _syscall(libc, 444, ctypes.byref(attr), ctypes.c_ulong(size), ctypes.c_ulong(0))
     if ruleset < 0:
         return 0
+    # Hundreds of rules: one struct and one argument tuple, reused (a few microseconds a rule).
+    rule = _PathBeneath(0, -1)
+    add_rule = (
+        ctypes.c_long(445),
+        ctypes.c_int(ruleset),
+        ctypes.c_int(1),
+        ctypes.byref(rule),
+        ctypes.c_ulong(0),
+    )
+    syscall, opath = libc.syscall, os.O_PATH | os.O_CLOEXEC
 
-    def allow(path: str, access: int) -> bool:
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            return False
-        rule = _PathBeneath(access, fd)
-        added = (
-            _syscall(libc, 445, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.byref(rule), ctypes.c_ulong(0))
-            == 0
-        )
-        os.close(fd)
+    def allow(paths, access: int) -> bool:
+        added = True
+        for path in paths:
+            try:
+                fd = os.open(path, opath)
+            except OSError:
+                added = False
+                continue
+            rule.allowed_access, rule.parent_fd = access, fd
+            added = syscall(*add_rule) == 0 and added
+            os.close(fd)
         return added
 
     try:
-        # Only these two are required; a top-level entry that cannot be opened stays unreadable.
-        ok = allow(workdir, write | read) and allow("/dev/null", read | (write & (2 | 16384)))
-        for name in ("zero", "full", "random", "urandom"):
-            allow(f"/dev/{name}", read)
-        for name in os.listdir("/"):
-            if name not in ("proc", "dev"):
-                allow(f"/{name}", read)
+        # Only these two are required; an allowlisted path that cannot be opened stays unreadable.
+        ok = allow([workdir], write | read) and allow(["/dev/null"], (read | write) & file_only)
+        allow(read_dirs, read)
+        allow(read_files, read & file_only)
         return abi if ok and _syscall(libc, 446, ctypes.c_int(ruleset), ctypes.c_ulong(0)) == 0 else 0
     finally:
         os.close(ruleset)
@@ -234,27 +309,25 @@ def _seccomp(libc, me: int) -> bool:
     prog += [(jeq, 0, 4, tgkill), (ld, 0, 0, arg0), (jeq, 1, 0, me), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
     prog += [(ret, 0, 0, allow)]
 
-    class SockFilter(ctypes.Structure):
-        _fields_ = [
-            ("code", ctypes.c_ushort),
-            ("jt", ctypes.c_ubyte),
-            ("jf", ctypes.c_ubyte),
-            ("k", ctypes.c_uint),
-        ]
+    # struct sock_filter {u16 code; u8 jt, jf; u32 k}, packed by hand: hundreds of ctypes
+    # structures would cost a millisecond of every call.
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *ins) for ins in prog))
 
     class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
-    filters = (SockFilter * len(prog))(*(SockFilter(*ins) for ins in prog))
-    fprog = SockFprog(len(prog), filters)
+    fprog = SockFprog(len(prog), ctypes.addressof(filters))
     return _prctl(libc, 22, 2, ctypes.addressof(fprog)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 def _audit_hook(workdir: str, me: int):
     """A ``sys.addaudithook`` hook that refuses, with a message for the model, what the kernel
     layers stop less clearly (or not at all where they are missing)."""
-    # Everything the hook uses is bound here: the code cannot reach this closure (gc and
-    # tracing are refused), so patching builtins or modules does not change the checks.
+    # Everything the hook uses is bound here, so patching builtins or modules does not change the
+    # checks. The code can still reach the closure's values (a traceback through the hook has its
+    # frame, and ``f_locals`` lists them), so each is immutable: strings, frozensets, tuples,
+    # read-only mapping proxies, and functions whose code and defaults the hook itself refuses to
+    # replace (``object.__setattr__``). gc's object walks and tracing are refused too.
     _type, _str, _bytes, _int = type, str, bytes, int
     _fspath, _getcwd, _readlink = os.fspath, os.getcwd, os.readlink
     refuse = PermissionError
@@ -266,6 +339,7 @@ def _audit_hook(workdir: str, me: int):
     )
     permissions = "changing file permissions, ownership or attributes is not allowed in this sandbox"
     limits = "changing resource limits is not allowed in this sandbox"
+    tampering = "changing the sandbox's own checks is not allowed in this sandbox"
     refused = {
         **{event: f"{event} is not allowed in this sandbox" for event in ("sys.settrace", "sys.setprofile")},
         **{
@@ -321,6 +395,7 @@ def _audit_hook(workdir: str, me: int):
         "shutil.make_archive": ((0, -1),),
         "sqlite3.connect": ((0, -1),),
     }
+    refused, writes = types.MappingProxyType(refused), types.MappingProxyType(writes)
 
     def resolve(path, dir_fd):
         """The absolute, lexically normalised path; "" when it cannot be known."""
@@ -339,7 +414,10 @@ def _audit_hook(workdir: str, me: int):
                 except OSError:
                     return ""
             else:
-                base = _getcwd()
+                try:
+                    base = _getcwd()
+                except OSError:  # past PATH_MAX: where it is cannot be known, so it is not inside
+                    return ""
             path = base + "/" + path
         parts = []
         for part in path.split("/"):
@@ -372,6 +450,11 @@ def _audit_hook(workdir: str, me: int):
         message = refused.get(event)
         if message is not None:
             raise refuse(message)
+        if event in ("object.__setattr__", "object.__delattr__"):
+            target = args[0]  # by identity: a hostile __eq__ must not run inside the hook
+            if target is hook or target is resolve or target is inside:
+                raise refuse(tampering)
+            return
         if event.startswith("socket."):
             raise refuse("network access is not allowed in this sandbox")
         if event.startswith("ctypes."):
@@ -403,21 +486,24 @@ def _audit_hook(workdir: str, me: int):
     return hook
 
 
-def _run(source: str, memory_exit: int) -> None:
+def _run(source: str, memory_exit: int, quota_dir: str | None, disk_exit: int) -> None:
     """Run ``source`` as ``__main__`` and report an uncaught exception as Python would (exit 1),
-    a MemoryError with exit status ``memory_exit``."""
+    a MemoryError with exit status ``memory_exit``, and a full ``quota_dir`` (the working
+    directory's tmpfs, where it holds) with ``disk_exit`` whatever the code's own status."""
     import builtins
 
     module = type(sys)("__main__")
     module.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = module
-    failed = out_of_memory = False
+    failed = out_of_memory = out_of_space = False
+    exit_request = None
     try:
         exec(compile(source, "<code>", "exec"), module.__dict__)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        exit_request = e
     except BaseException as e:  # everything the code raises is reported as Python would
         failed, out_of_memory = True, isinstance(e, MemoryError)
+        out_of_space = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
         if out_of_memory:
             module.__dict__.clear()  # free what the code holds before formatting anything
         try:
@@ -432,11 +518,29 @@ def _run(source: str, memory_exit: int) -> None:
         except BaseException:  # still out of memory, or a hostile __str__
             sys.stderr.write(f"{type(e).__name__}\n")
     if out_of_memory:
-        for stream in (sys.stdout, sys.stderr):
-            try:  # noqa: SIM105 - nothing new to allocate while memory is short
-                stream.flush()
-            except BaseException:
-                pass
-        os._exit(memory_exit)
+        _flush_and_exit(memory_exit)
+    if quota_dir is not None and (out_of_space or _disk_full(quota_dir)):
+        _flush_and_exit(disk_exit)
+    if exit_request is not None:
+        raise exit_request
     if failed:
         raise SystemExit(1)
+
+
+def _disk_full(path: str) -> bool:
+    """Whether the tmpfs at ``path`` is (all but) full: its last 1% or 1 MiB, or its last inode."""
+    try:
+        st = os.statvfs(path)
+    except BaseException:
+        return False
+    free = st.f_bavail * st.f_frsize
+    return free < min(1 << 20, st.f_blocks * st.f_frsize // 100) or st.f_favail == 0
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:  # noqa: SIM105 - nothing new to allocate while memory is short
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(code)

@@ -51,7 +51,12 @@ def sandbox_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(root))
     children, fds = _children(), _fds()
     yield root
-    assert list(root.iterdir()) == [], "a sandbox directory was left behind"
+    # Only <tmp>/rlhf-sandboxes-<uid>/<this process> (and its compiled bootstrap) may stay, until
+    # the process exits.
+    left = [
+        p for p in root.rglob("*") if len(p.relative_to(root).parts) > 2 and p.name != "bootstrap.marshal"
+    ]
+    assert left == [], "a sandbox directory was left behind"
     assert _children() - children == set(), "a sandbox process was left behind"
     assert _fds() - fds == set(), "a file descriptor was left open"
 
@@ -164,7 +169,15 @@ def test_concurrent_runs():
 
 def test_layers_report():
     layers = sandbox_layers()
-    assert set(layers) == {"rlimits", "netns", "no_new_privs", "landlock", "seccomp", "audit_hook"}
+    assert set(layers) == {
+        "rlimits",
+        "netns",
+        "disk_quota",
+        "no_new_privs",
+        "landlock",
+        "seccomp",
+        "audit_hook",
+    }
     assert layers["rlimits"] is True and layers["audit_hook"] is True
 
 
@@ -357,14 +370,17 @@ def test_writes_outside_are_refused(outside, code, message):
         # The audit hook resolves open()'s path against the working directory, not dir_fd.
         "import os\nfd = os.open({out!r}, os.O_RDONLY)\nos.open('evil', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
         "import os\nfd = os.open({out!r}, os.O_RDONLY)\nos.open('keep.txt', os.O_WRONLY | os.O_TRUNC, dir_fd=fd)",
-        # Symlinks the hook checks lexically (each points inside), chained to climb out:
-        # u is the working directory, x two levels above it, so x/../outside is `outside`.
+        # Symlinks the hook checks lexically (each points inside), chained to climb out: u is the
+        # working directory, x the directory below `outside`'s parent on the way up (at most four
+        # levels above the working directory, lexically still inside), so x/../outside is `outside`.
         textwrap.dedent(
             """
             import os
+            up = len(os.path.relpath(os.getcwd(), os.path.dirname({out!r})).split("/")) - 1
+            assert up <= 4, up
             os.makedirs("d1/d2/d3")
             os.symlink("../../..", "d1/d2/d3/u")
-            os.symlink("d1/d2/d3/u/../..", "x")
+            os.symlink("d1/d2/d3/u" + "/.." * up, "x")
             assert os.path.realpath("x/../outside") == {out!r}
             open("x/../outside/evil", "w")
             """
@@ -448,8 +464,21 @@ def test_the_sandbox_dies_with_its_parent(tmp_path):
     while _alive(sandbox) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _alive(sandbox)
-    # A parent killed by SIGKILL cannot remove its sandbox's directory (tmp_path is removed later).
-    assert [p.name[:13] for p in parent_tmp.iterdir()] == ["rlhf-sandbox-"]
+    # A parent killed by SIGKILL cannot remove its sandbox's directory; the next process that runs
+    # a sandbox there removes it first.
+    base = parent_tmp / f"rlhf-sandboxes-{os.getuid()}"
+    [left] = base.iterdir()
+    assert left.name.startswith(f"{parent.pid}-") and sorted(p.name[:5] for p in left.iterdir()) == [
+        "boots",
+        "call-",
+    ]
+    subprocess.run(
+        [sys.executable, "-c", "from rlhf_megatron.agent.sandbox import run_python; run_python('pass')"],
+        env={**os.environ, "TMPDIR": str(parent_tmp)},
+        check=True,
+        timeout=60,
+    )
+    assert list(base.iterdir()) == []  # swept, and the second process removed its own at exit
 
 
 def _wait_for_child(pid: int, timeout_s: float) -> int:
@@ -477,4 +506,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_statuses_are_documented():
-    assert set(STATUSES) == {"ok", "error", "timeout", "cpu_limit", "memory_limit", "output_limit", "killed"}
+    assert set(STATUSES) == {
+        "ok",
+        "error",
+        "timeout",
+        "cpu_limit",
+        "memory_limit",
+        "output_limit",
+        "disk_limit",
+        "killed",
+    }
