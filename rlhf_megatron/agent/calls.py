@@ -10,6 +10,12 @@ learns to write well-formed calls instead of the rollout failing.
 schema, enforces a timeout (cancelling the call), turns exceptions and malformed results into
 ``Error: ...`` responses, and truncates long text as verl's ``tool_response_truncate_side`` does.
 
+Hostile text is answered, never raised: a call of more than ``MAX_CALL_CHARS`` characters,
+JSON nested deeper than ``MAX_DEPTH`` (the parser's own recursion limit is far above what a chat
+template can render back), integers past Python's digit limit, control characters and lone
+surrogates each give the model an ``Error: ...`` naming the call; names and values are quoted
+shortened in messages.
+
 Boundaries: text in, ``ToolResponse`` out; no tokenizer, no rollout engine.
 """
 
@@ -36,7 +42,12 @@ from rlhf_megatron.agent.schemas import (
 )
 
 __all__ = [
+    "MAX_CALL_CHARS",
+    "MAX_DEPTH",
     "CallStatus",
+    "decode_json",
+    "describe_exception",
+    "quote",
     "TRUNCATE_SIDES",
     "parse_hermes",
     "run_tool_call",
@@ -51,6 +62,10 @@ CallStatus = Literal["ok", "error", "timeout"]
 #: verl's ``tool_response_truncate_side``: keep the head, the tail, or both halves.
 TRUNCATE_SIDES = ("left", "right", "middle")
 
+#: The longest tool call (JSON between the tags) parsed; longer ones are answered with an error.
+MAX_CALL_CHARS = 1_000_000
+#: The deepest nesting of arrays and objects a call's JSON may have (the call itself is depth 1).
+MAX_DEPTH = 32
 _START, _END = "<tool_call>", "</tool_call>"
 _CALL_FORMAT = '<tool_call>{"name": "<tool name>", "arguments": {...}}</tool_call>'
 # How long a cancelled call may take to unwind (its finally blocks) before it is abandoned.
@@ -103,13 +118,14 @@ def parse_hermes(text: str) -> tuple[str, list[OpenAIFunctionParsedSchema], list
 
 
 def _parse_block(body: str, ordinal: int) -> tuple[OpenAIFunctionParsedSchema | None, str]:
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError as err:
+    if len(body) > MAX_CALL_CHARS:
         return None, (
-            f"Error: tool call {ordinal} is not valid JSON ({err.msg} at line {err.lineno} column "
-            f"{err.colno}); write {_CALL_FORMAT}."
+            f"Error: tool call {ordinal} is {len(body)} characters long; at most {MAX_CALL_CHARS} are read. "
+            f"Write {_CALL_FORMAT}."
         )
+    payload, problem = decode_json(body)
+    if problem:
+        return None, f"Error: tool call {ordinal} {problem}; write {_CALL_FORMAT}."
     if not isinstance(payload, dict):
         return None, (
             f"Error: tool call {ordinal} must be a JSON object, got {_json_type(payload)}; write {_CALL_FORMAT}."
@@ -121,10 +137,82 @@ def _parse_block(body: str, ordinal: int) -> tuple[OpenAIFunctionParsedSchema | 
     arguments = payload.get("arguments", {})
     if not isinstance(arguments, dict):
         return None, (
-            f'Error: tool call {ordinal} ({name}): "arguments" must be a JSON object, got '
+            f'Error: tool call {ordinal} ({_label(name)}): "arguments" must be a JSON object, got '
             f"{_json_type(arguments)}; write {_CALL_FORMAT}."
         )
     return OpenAIFunctionParsedSchema(name=name, arguments=json.dumps(arguments, ensure_ascii=False)), ""
+
+
+def decode_json(text: str) -> tuple[Any, str]:
+    """``(value, "")``, or ``(None, what is wrong)`` for text that is not JSON, is nested deeper
+    than ``MAX_DEPTH``, holds an integer past Python's digit limit or a lone surrogate. Never
+    raises."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, f"is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
+    except RecursionError:
+        return None, f"is nested too deeply (at most {MAX_DEPTH} levels of arrays and objects)"
+    except ValueError as err:  # e.g. an integer of more than 4,300 digits
+        return None, f"cannot be read: {quote(str(err), 120)}"
+    except Exception as err:  # anything else the decoder raises: still the call's fault
+        return None, f"cannot be read ({type(err).__name__})"
+    problem = _check_value(value)
+    return (None, problem) if problem else (value, "")
+
+
+def _check_value(value: Any) -> str:
+    """What makes a decoded value unusable downstream (depth, lone surrogates), or ""."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_DEPTH:
+                return f"is nested too deeply (at most {MAX_DEPTH} levels of arrays and objects)"
+            children = list(item.items()) if isinstance(item, dict) else item
+            for child in children:
+                if isinstance(child, tuple):  # a (key, value) pair: the key is a string
+                    stack += [(child[0], depth), (child[1], depth + 1)]
+                else:
+                    stack.append((child, depth + 1))
+        elif isinstance(item, str) and not _is_encodable(item):
+            return "holds a lone surrogate (\\ud800-\\udfff) in a string; write valid UTF-8"
+    return ""
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def describe_exception(err: BaseException, limit: int = 2000) -> str:
+    """``"Type: message"``, the message cut to ``limit`` characters; never raises (a hostile or
+    recursive ``__str__`` gives the type alone)."""
+    try:
+        text = str(err)
+    except Exception:
+        return type(err).__name__
+    return f"{type(err).__name__}: {text if len(text) <= limit else text[:limit] + '...'}"
+
+
+def _label(name: str) -> str:
+    """A tool name as written when it is short and printable, else ``quote``d."""
+    return name if len(name) <= 64 and name.isprintable() else quote(name)
+
+
+def quote(value: Any, limit: int = 64) -> str:
+    """``repr(value)`` cut to about ``limit`` characters: safe to put in a message whatever the
+    value holds (control characters and surrogates are escaped, huge values are shortened)."""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + f"...({len(value)} characters)"
+    try:
+        text = repr(value)
+    except Exception:  # a RecursionError on deep nesting, a hostile __repr__
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def validate_arguments(schema: OpenAIFunctionToolSchema, arguments: Mapping[str, Any]) -> list[str]:
@@ -140,7 +228,7 @@ def validate_arguments(schema: OpenAIFunctionToolSchema, arguments: Mapping[str,
         if prop is None:
             if params.properties:
                 problems.append(
-                    f"unknown argument '{name}'; tool '{schema.function.name}' takes: "
+                    f"unknown argument {quote(name)}; tool '{schema.function.name}' takes: "
                     f"{', '.join(params.properties)}"
                 )
             continue
@@ -151,7 +239,7 @@ def validate_arguments(schema: OpenAIFunctionToolSchema, arguments: Mapping[str,
         ):
             problems.append(f"argument '{name}' must be {_article(prop.type)}, got {_json_type(value)}")
         elif prop.enum is not None and value not in prop.enum:
-            problems.append(f"argument '{name}' must be one of: {', '.join(prop.enum)}; got {value!r}")
+            problems.append(f"argument '{name}' must be one of: {', '.join(prop.enum)}; got {quote(value)}")
     return problems
 
 
@@ -180,7 +268,7 @@ def truncate_text(text: str, max_chars: int | None, side: str = "middle") -> tup
 def unknown_tool_response(name: str, available: Iterable[str]) -> ToolResponse:
     """The response to a call of a tool that is not configured (the caller looks tools up)."""
     names = ", ".join(sorted(available)) or "(no tools)"
-    return ToolResponse(text=f"Error: unknown tool '{name}'; available: {names}")
+    return ToolResponse(text=f"Error: unknown tool {quote(name)}; available: {names}")
 
 
 async def run_tool_call(
@@ -227,20 +315,16 @@ async def _execute(
     execute_kwargs: Mapping[str, Any],
     timeout_s: float | None,
 ) -> tuple[ToolResponse, float | None, dict[str, Any], CallStatus]:
-    if isinstance(call, OpenAIFunctionParsedSchema):
-        call, decode_error = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(call)
-        if decode_error:
-            return (
-                _error(f"the arguments of the call to '{call.name}' are not a JSON object"),
-                None,
-                {},
-                "error",
-            )
-    problems = validate_arguments(tool.tool_schema, call.arguments)
-    if problems:
-        return _error("; ".join(problems)), None, {}, "error"
     try:
-        pending = tool.execute(instance_id, dict(call.arguments), **execute_kwargs)
+        arguments, problem = _call_arguments(tool, call)
+    except Exception as err:  # validating hostile arguments must not end the rollout either
+        arguments, problem = None, f"the arguments of the call cannot be checked ({type(err).__name__})"
+    if problem:
+        if problem.startswith("Error: unknown tool"):
+            return ToolResponse(text=problem), None, {}, "error"
+        return _error(problem), None, {}, "error"
+    try:
+        pending = tool.execute(instance_id, arguments, **execute_kwargs)
         result = await _await_with_timeout(pending, timeout_s) if inspect.isawaitable(pending) else pending
     except _CallTimeout:
         return _error(f"tool '{tool.name}' timed out after {timeout_s:g} s"), None, {}, "timeout"
@@ -250,8 +334,27 @@ async def _execute(
         return _error(str(err)), None, {}, "error"
     except Exception as err:
         logger.warning("tool %s raised", tool.name, exc_info=True)
-        return _error(f"tool '{tool.name}' failed: {type(err).__name__}: {err}"), None, {}, "error"
+        return _error(f"tool '{tool.name}' failed: {describe_exception(err)}"), None, {}, "error"
     return _normalise(tool.name, result)
+
+
+def _call_arguments(
+    tool: BaseTool, call: OpenAIFunctionCallSchema | OpenAIFunctionParsedSchema
+) -> tuple[dict[str, Any] | None, str]:
+    """``(arguments, "")`` for a call ``tool`` can run, else ``(None, the problem)``."""
+    if call.name != tool.name:
+        return None, unknown_tool_response(call.name, [tool.name]).text or ""
+    if isinstance(call, OpenAIFunctionParsedSchema):
+        arguments, problem = decode_json(call.arguments)
+        if problem or not isinstance(arguments, dict):
+            return None, f"the arguments of the call to '{call.name}' are not a JSON object"
+    else:
+        arguments = dict(call.arguments)
+        problem = _check_value(arguments)
+        if problem:
+            return None, f"the arguments of the call to '{call.name}' {problem}"
+    problems = validate_arguments(tool.tool_schema, arguments)
+    return (None, "; ".join(problems)) if problems else (arguments, "")
 
 
 async def _await_with_timeout(awaitable: Any, timeout_s: float | None) -> Any:

@@ -30,16 +30,19 @@ nothing of vLLM, Megatron, Ray or the trainer.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_megatron.agent.base import BaseInteraction, BaseTool
-from rlhf_megatron.agent.calls import parse_hermes, run_tool_call
+from rlhf_megatron.agent.calls import describe_exception, parse_hermes, quote, run_tool_call
 from rlhf_megatron.agent.schemas import OpenAIFunctionCallSchema, ToolResponse
 
 __all__ = ["AGENT_NAMES", "END_REASONS", "ToolAgentLoop", "TurnRequest", "Trajectory", "render_turn_ids"]
+
+logger = logging.getLogger(__name__)
 
 AGENT_NAMES = ("tool_agent", "single_turn_agent")
 """verl's ``agent_name`` column: ``tool_agent`` (the default) runs tools and interactions turn by
@@ -186,7 +189,7 @@ class ToolAgentLoop:
             t.append(ids, 1, log_probs)
             t.assistant_turns += 1
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            content, calls, errors = parse_hermes(text)
+            content, calls, errors = _parse_turn(text)
             t.messages.append(_assistant_message(content, calls))
             if finish == "length" or len(t.response_ids) >= self.response_length:
                 t.end = "length"
@@ -220,13 +223,25 @@ class ToolAgentLoop:
         self._append_turn(t, [{"role": "tool", "content": text} for text in texts])
 
     async def _call_tool(self, t: Trajectory, parsed) -> str:
-        call, bad_json = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(parsed)
+        """One call's response text; whatever the call holds or the tool does, an ``Error: ...``
+        text (counted in ``tool_errors``) rather than an exception that would end the batch."""
         t.tool_calls += 1
+        try:
+            return await self._run_call(t, parsed)
+        except Exception as exc:
+            logger.warning(
+                "tool call %s failed in the loop", quote(getattr(parsed, "name", "?")), exc_info=True
+            )
+            t.tool_errors += 1
+            return f"Error: the tool call could not be run: {describe_exception(exc, 500)}"
+
+    async def _run_call(self, t: Trajectory, parsed) -> str:
+        call, bad_json = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(parsed)
         tool = self.tools.get(call.name)
         if tool is None:
             t.tool_errors += 1
             known = ", ".join(sorted(self.tools)) or "none"
-            return f"Error: unknown tool {call.name!r}; available tools: {known}"
+            return f"Error: unknown tool {quote(call.name)}; available tools: {known}"
         if bad_json:
             t.tool_errors += 1
             return f"Error: the arguments of {call.name!r} are not a JSON object"
@@ -239,7 +254,7 @@ class ToolAgentLoop:
             except Exception as exc:  # the sample cannot use this tool at all
                 t.tool_errors += 1
                 t.end = "tool_error"
-                return f"Error: tool {call.name!r} could not start: {type(exc).__name__}: {exc}"
+                return f"Error: tool {call.name!r} could not start: {describe_exception(exc, 500)}"
             t.instances[call.name] = instance
         start = time.perf_counter()
         response, step_reward, _, status = await run_tool_call(
@@ -263,9 +278,15 @@ class ToolAgentLoop:
         if self.max_user_turns and t.user_turns >= self.max_user_turns:
             t.end = "max_turns"
             return
-        done, content, score, _ = await interaction.generate_response(
-            instance, t.messages, **(t.interaction_kwargs or {})
-        )
+        try:
+            done, content, score, _ = await interaction.generate_response(
+                instance, t.messages, **(t.interaction_kwargs or {})
+            )
+        except Exception:  # an interaction that chokes on the model's text ends this sample only
+            logger.warning("interaction failed", exc_info=True)
+            t.tool_errors += 1
+            t.end = "tool_error"
+            return
         t.reward += float(score or 0.0)
         if done:
             t.end = "stop"
@@ -273,7 +294,15 @@ class ToolAgentLoop:
         self._append_turn(t, [{"role": "user", "content": content}])
 
     def _append_turn(self, t: Trajectory, messages: list[dict[str, Any]]) -> None:
-        ids = render_turn_ids(self.tokenizer, messages)
+        # Text from tools may carry what the model wrote: lone surrogates would stop the tokenizer.
+        messages = [{**m, "content": _valid_utf8(m["content"])} for m in messages]
+        try:
+            ids = render_turn_ids(self.tokenizer, messages)
+        except Exception:  # the template cannot render this turn: this sample ends, the batch goes on
+            logger.warning("a tool or user turn could not be rendered", exc_info=True)
+            t.tool_errors += 1
+            t.end = "tool_error"
+            return
         if len(t.response_ids) + len(ids) >= self.response_length:
             t.end = "length"  # no room for the turn and an answer after it
             return
@@ -343,6 +372,25 @@ async def _as_pair(created) -> tuple[str, ToolResponse | None]:
     """verl's ``create`` returns (instance_id, ToolResponse); older tools return the id alone."""
     result = await created
     return (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+
+
+def _parse_turn(text: str) -> tuple[str, list, list[str]]:
+    """``parse_hermes``, with a last guard: a turn it cannot read is one malformed call."""
+    try:
+        return parse_hermes(text)
+    except Exception as exc:  # parse_hermes answers malformed calls itself; this is a bug's net
+        logger.warning("parse_hermes raised", exc_info=True)
+        return text, [], [f"Error: the tool calls in this turn could not be read ({type(exc).__name__})."]
+
+
+def _valid_utf8(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def _assistant_message(content: str, calls) -> dict[str, Any]:
