@@ -17,6 +17,7 @@ Boundaries: reads the config, never changes it (``normalize.py`` does that after
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,6 +207,7 @@ def _tool_config_problems(multi_turn) -> list[str]:
     not an OpenAI function schema or a duplicate name is refused before any worker starts (the
     ``ToolConfigError`` names the file and the entry)."""
     from rlhf_megatron.agent.config import ToolConfigError, load_interactions, load_tools
+    from rlhf_megatron.agent.tools.code_interpreter import CodeInterpreterTool, describe_layers
 
     out = []
     for name, load in (("tool_config_path", load_tools), ("interaction_config_path", load_interactions)):
@@ -213,9 +215,13 @@ def _tool_config_problems(multi_turn) -> list[str]:
         if path is None or not os.path.isfile(os.path.expanduser(path)):
             continue  # MultiTurnConfig.validate reports a missing file
         try:
-            load(os.path.expanduser(path))
+            loaded = load(os.path.expanduser(path))
         except ToolConfigError as exc:
             out.append(f"{ROLLOUT}.multi_turn.{name}: {exc}")
+            continue
+        for tool in loaded if name == "tool_config_path" else ():
+            if isinstance(tool, CodeInterpreterTool):  # the run says once, at start, what holds
+                print(f"{tool.name}: {describe_layers(tool.layers)}", file=sys.stderr, flush=True)
     return out
 
 

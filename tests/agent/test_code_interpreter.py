@@ -47,7 +47,12 @@ def sandbox_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(root))
     children, fds = _children(), set(os.listdir("/proc/self/fd"))
     yield root
-    assert list(root.iterdir()) == [], "a sandbox directory was left behind"
+    # Only <tmp>/rlhf-sandboxes-<uid>/<this process> (and its compiled bootstrap) may stay, until
+    # the process exits.
+    left = [
+        p for p in root.rglob("*") if len(p.relative_to(root).parts) > 2 and p.name != "bootstrap.marshal"
+    ]
+    assert left == [], "a sandbox directory was left behind"
     assert _children() - children == set(), "a sandbox process was left behind"
     assert set(os.listdir("/proc/self/fd")) - fds == set(), "a file descriptor was left open"
 
@@ -311,3 +316,33 @@ def test_sixteen_concurrent_calls_share_a_bounded_pool(monkeypatch):
             assert status == "error" and response.text.startswith("Error: ")
     assert peak[0] == 4  # never more sandboxes than num_workers
     assert elapsed < 15
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"disk_limit_mb": 0}, "config.disk_limit_mb must be a positive number"),
+        ({"site_packages": "yes"}, "config.site_packages must be true"),
+        (
+            {"site_packages": ["/nonexistent/site"]},
+            "config.site_packages: not a directory: /nonexistent/site",
+        ),
+        ({"allow_missing_layers": "landlock"}, "config.allow_missing_layers must be a list"),
+    ],
+    ids=["disk", "site-type", "site-missing", "layers-type"],
+)
+def test_sandbox_keys_are_checked(config, message):
+    with pytest.raises(ToolConfigError, match=message):
+        _tool(**config)
+
+
+def test_disk_limit_and_site_packages_reach_the_sandbox():
+    tool = _tool(disk_limit_mb=1, site_packages=False)
+    try:
+        big = _call("open('f', 'wb').write(b'x' * (4 << 20))")
+        response, _, _, status = asyncio.run(run_tool_call(tool, "t", big, timeout_s=20))
+        assert status == "error" and "filled its 1 MB of disk" in response.text
+        response, _, _, status = asyncio.run(run_tool_call(tool, "t", _call("import numpy"), timeout_s=20))
+        assert status == "error" and "No module named 'numpy'" in response.text
+    finally:
+        tool.close()

@@ -17,6 +17,10 @@ in ``tool_errors``. Code past its wall-clock or CPU limit raises ``ToolTimeout``
 Boundaries: ``run_python`` blocks, so calls run on a thread pool of ``num_workers`` threads owned
 by the tool: at most that many sandboxes at once, whatever number of trajectories call it, and a
 call cancelled while queued (the loop's timeout) never starts.
+
+No weaker sandbox without asking: the tool will not be built where one of the sandbox's kernel
+layers (``sandbox.REQUIRED_LAYERS``: network namespace, disk quota, Landlock, seccomp) is missing,
+unless ``allow_missing_layers`` names it; the error names the layer and that key.
 """
 
 from __future__ import annotations
@@ -25,15 +29,22 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 from typing import Any
 from uuid import uuid4
 
 from rlhf_megatron.agent.base import BaseTool
 from rlhf_megatron.agent.errors import ToolConfigError, ToolError, ToolTimeout
-from rlhf_megatron.agent.sandbox import SandboxResult, run_python
+from rlhf_megatron.agent.sandbox import (
+    REQUIRED_LAYERS,
+    SandboxResult,
+    missing_layers,
+    run_python,
+    sandbox_layers,
+)
 from rlhf_megatron.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
 
-__all__ = ["CodeInterpreterTool", "format_result"]
+__all__ = ["CodeInterpreterTool", "describe_layers", "format_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +54,17 @@ DEFAULTS: dict[str, Any] = {
     "cpu_timeout": None,  # CPU seconds per call, over all threads
     "memory_limit_mb": 1024,  # address space; numpy alone takes about 150 MB
     "max_output_bytes": 16 * 1024,  # stdout and stderr together; the rest is cut
+    "disk_limit_mb": 64,  # everything the code writes in one call (files and directories)
     "num_workers": 10,  # sandboxes running at once (verl's default)
+    "site_packages": True,  # importable and readable: this environment's (true), none, or a list
+    "allow_missing_layers": [],  # sandbox layers the tool may run without (REQUIRED_LAYERS)
+}
+#: Why each required layer matters, for the refusal message.
+_LAYER_STAKES = {
+    "netns": "the code could reach the network",
+    "disk_quota": "the code could fill the disk",
+    "landlock": "the code could read the data, checkpoints and other files on this machine",
+    "seccomp": "the code could start processes that outlive the call, and open sockets",
 }
 NO_OUTPUT = "(no output; print() what you want to see)"
 
@@ -78,7 +99,7 @@ class CodeInterpreterTool(BaseTool):
         settings = {**DEFAULTS, **{k: v for k, v in self.config.items() if k in DEFAULTS}}
         if settings["cpu_timeout"] is None:
             settings["cpu_timeout"] = settings["default_timeout"]
-        for key in ("default_timeout", "cpu_timeout", "memory_limit_mb", "num_workers"):
+        for key in ("default_timeout", "cpu_timeout", "memory_limit_mb", "disk_limit_mb", "num_workers"):
             _check_positive(key, settings[key])
         if not isinstance(settings["max_output_bytes"], int) or settings["max_output_bytes"] < 1:
             raise ToolConfigError(
@@ -99,7 +120,11 @@ class CodeInterpreterTool(BaseTool):
         self.cpu_s = float(settings["cpu_timeout"])
         self.memory_mb = int(settings["memory_limit_mb"])
         self.max_output_bytes = int(settings["max_output_bytes"])
+        self.max_disk_bytes = int(settings["disk_limit_mb"] * 1024 * 1024)
         self.num_workers = int(settings["num_workers"])
+        self.site_packages = _site_packages(settings["site_packages"])
+        self.layers = _check_layers(settings["allow_missing_layers"])
+        logger.info("%s: %s", self.name, describe_layers(self.layers))
         self._executor = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix=self.name)
         self._instances: dict[str, dict[str, Any]] = {}
 
@@ -133,6 +158,8 @@ class CodeInterpreterTool(BaseTool):
             memory_mb=self.memory_mb,
             max_output_bytes=self.max_output_bytes,
             files=files,
+            max_disk_bytes=self.max_disk_bytes,
+            site_packages=self.site_packages,
         )
         result = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         text = format_result(result)
@@ -159,6 +186,62 @@ def format_result(result: SandboxResult) -> str:
     if result.ok:
         return output or NO_OUTPUT
     return f"{result.message}\n{output}" if output else result.message
+
+
+def describe_layers(layers: dict[str, object]) -> str:
+    """One line: which sandbox layers hold, e.g. ``sandbox layers: netns, disk_quota, landlock
+    (ABI 7), seccomp, rlimits, audit_hook; missing: none``."""
+    held = [
+        f"landlock (ABI {layers['landlock']})" if name == "landlock" else name
+        for name in (*REQUIRED_LAYERS, "rlimits", "audit_hook")
+        if layers.get(name)
+    ]
+    missing = missing_layers(layers)
+    return f"sandbox layers: {', '.join(held)}; missing: {', '.join(missing) or 'none'}"
+
+
+def _check_layers(allowed: Any) -> dict[str, object]:
+    """The layers that hold here; refuses (``ToolConfigError``) when a required one is missing and
+    ``allow_missing_layers`` does not name it."""
+    if not isinstance(allowed, list | tuple) or not all(isinstance(a, str) for a in allowed):
+        raise ToolConfigError(
+            f"config.allow_missing_layers must be a list of layer names ({', '.join(REQUIRED_LAYERS)}), "
+            f"got {allowed!r}"
+        )
+    unknown = sorted(set(allowed) - set(REQUIRED_LAYERS))
+    if unknown:
+        raise ToolConfigError(
+            f"config.allow_missing_layers: unknown layer(s) {', '.join(unknown)}; "
+            f"the layers are {', '.join(REQUIRED_LAYERS)}"
+        )
+    try:
+        layers = sandbox_layers()
+    except (OSError, RuntimeError) as err:
+        raise ToolConfigError(f"the sandbox cannot start on this machine: {err}") from err
+    refused = [name for name in missing_layers(layers) if name not in allowed]
+    if refused:
+        stakes = "; ".join(f"without {name}, {_LAYER_STAKES[name]}" for name in refused)
+        raise ToolConfigError(
+            f"the sandbox's {', '.join(refused)} layer{'s are' if len(refused) > 1 else ' is'} not "
+            f"available on this machine ({stakes}). Model-written code would run in a weaker sandbox; "
+            f"to accept that, set config.allow_missing_layers: [{', '.join(refused)}] in the tool "
+            "config (sandbox.py says what each layer needs: Landlock Linux >= 5.13, seccomp x86_64 "
+            "or aarch64, the namespaces root or unprivileged user namespaces)."
+        )
+    return layers
+
+
+def _site_packages(value: Any) -> bool | list[str]:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        missing = [v for v in value if not os.path.isdir(v)]
+        if missing:
+            raise ToolConfigError(f"config.site_packages: not a directory: {', '.join(missing)}")
+        return list(value)
+    raise ToolConfigError(
+        f"config.site_packages must be true (this environment's), false or a list of directories, got {value!r}"
+    )
 
 
 def _check_positive(key: str, value: Any) -> None:
