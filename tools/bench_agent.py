@@ -18,6 +18,12 @@ calls made, ``serial_tool_s`` (calls x sleep: what running them one after anothe
 ``tool_wait_s`` (``multi_turn_s - engine_s``: what the tools did add) and ``overlap`` (``1 -
 tool_wait_s / serial_tool_s``: 1.0 is perfect overlap).
 
+Also reported, under ``sandbox``: the code sandbox's cost per call, ``print(1)`` through
+``run_python`` (``--sandbox-runs`` calls after one warm-up: median and 90th percentile in ms, and
+the layers that held). ``--sandbox-only`` measures just that, without vLLM:
+
+    .venv/bin/python tools/bench_agent.py --sandbox-only
+
 Boundaries: one process, vLLM at TP=1 on this machine's device; no Megatron, no Ray.
 """
 
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +52,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sleep-s", type=float, default=1.0, help="seconds each tool call sleeps")
     p.add_argument("--model", default=None, help="a tool-calling policy (default: built under outputs/)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sandbox-runs", type=int, default=100, help="print(1) calls through the code sandbox")
+    p.add_argument("--sandbox-only", action="store_true", help="measure only the code sandbox (no vLLM)")
     return p.parse_args(argv)
+
+
+def measure_sandbox(runs: int) -> dict:
+    """``print(1)`` through ``run_python``, ``runs`` times after a warm-up (which also pays for the
+    layer probe and the per-process directory)."""
+    from rlhf_megatron.agent.sandbox import run_python, sandbox_layers
+
+    layers = sandbox_layers()
+    run_python("print(1)")
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = run_python("print(1)")
+        times.append((time.perf_counter() - start) * 1000)
+        if result.stdout != "1\n":
+            raise RuntimeError(f"the sandbox did not print 1: {result}")
+    times.sort()
+    return {
+        "runs": runs,
+        "print1_ms_median": round(statistics.median(times), 2),
+        "print1_ms_p90": round(times[int(0.9 * (runs - 1))], 2),
+        "layers": {k: v for k, v in layers.items()},
+    }
 
 
 def build_model() -> tuple[str, str]:
@@ -102,6 +134,9 @@ def make_agent(tokenizer, response_length: int, calls: int, sleep_s: float):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.sandbox_only:
+        print(json.dumps({"sandbox": measure_sandbox(args.sandbox_runs)}))
+        return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import numpy as np
     import torch
@@ -194,6 +229,7 @@ def main(argv=None) -> int:
                 "overlap": round(1.0 - tool_wait / serial, 4) if serial else None,
                 "added_over_single_turn_s": round(multi_s - single_s, 3),
                 "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "sandbox": measure_sandbox(args.sandbox_runs),
             }
         )
     )
