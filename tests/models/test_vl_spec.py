@@ -283,7 +283,7 @@ def test_image_embeddings_go_in_row_major_order_like_masked_scatter():
 def test_export_without_a_config_rebuilds_one_transformers_reads_back(tiny, family):
     from transformers import AutoConfig
 
-    from rlhf_megatron.convert import _hf_config
+    from rlhf_megatron.convert.common import hf_config as _hf_config
 
     arch = tiny[family][0]
     config = _hf_config(

@@ -19,13 +19,13 @@ import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema_model import LoraConfig
-from rlhf_megatron.convert import (
-    _DTYPES,
+from rlhf_megatron.convert.common import (
+    DTYPES,
     ConversionError,
-    _hf_config,
-    _prepare_out,
-    _publish,
-    _write_hf_config,
+    hf_config,
+    prepare_out,
+    publish,
+    write_hf_config,
 )
 from rlhf_megatron.models.hf_io import HFCheckpoint
 
@@ -193,10 +193,10 @@ def convert_lora_to_hf(
     # A bare-model checkpoint's names are also listed with "model." (HFCheckpoint): write those once.
     names = [n for n in source.names() if n.startswith("model.") or f"model.{n}" not in source]
     out_dtype = {
-        n: _DTYPES[dtype] if dtype and source.dtype(n).is_floating_point else source.dtype(n) for n in names
+        n: DTYPES[dtype] if dtype and source.dtype(n).is_floating_point else source.dtype(n) for n in names
     }
     plan = [(n, source.shape(n), out_dtype[n]) for n in names]
-    tmp = _prepare_out(out, force)
+    tmp = prepare_out(out, force)
     try:
         writer = SafetensorsShardWriter(tmp, plan, max_shard_bytes)
 
@@ -213,9 +213,9 @@ def convert_lora_to_hf(
         copy_hf_side_files(src.base_dir, tmp)
         config = json.loads((src.base_dir / "config.json").read_text())
         if dtype:
-            config = _hf_config(src.arch, src.base_dir / "config.json", _DTYPES[dtype])
-        _write_hf_config(tmp, config, src.arch)
-        _publish(tmp, out, force)
+            config = hf_config(src.arch, src.base_dir / "config.json", DTYPES[dtype])
+        write_hf_config(tmp, config, src.arch)
+        publish(tmp, out, force)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
