@@ -22,7 +22,7 @@ Two directions, both pure (no processes, no megatron import):
 
 Names use *global* layer numbers (``decoder.layers.3.…``); a model chunk's
 own names are local to its pipeline stage: ``local_to_global_layer`` and
-friends (from ``stages.py``, re-exported here) translate. Vision blocks
+friends (from ``pipeline_stages.py``, re-exported here) translate. Vision blocks
 (``vision_model.decoder.layers.{block}.…``) are never split over stages.
 Both megatron spellings of the fused norms are accepted: the local layer spec
 (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``) and the
@@ -53,8 +53,7 @@ from typing import Protocol
 import torch
 
 from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.models.spec_rules import SPECS, ArchSpec, Layout, ParamRule
-from rlhf_megatron.models.stages import (
+from rlhf_megatron.models.pipeline_stages import (
     StageError,
     expert_owner,
     global_to_local_layer,
@@ -63,6 +62,7 @@ from rlhf_megatron.models.stages import (
     local_to_global_layer,
     param_owner,
 )
+from rlhf_megatron.models.spec_rules import SPECS, ArchSpec, Layout, ParamRule
 
 __all__ = [
     "ArchSpec",

@@ -17,7 +17,7 @@ arguments (``_copy`` for the common ``Layout.COPY`` case).
   Qwen2-MoE's gated shared expert. Megatron's local spec keeps each expert as
   ``mlp.experts.local_experts.{expert}.linear_fc1/2`` (SequentialMLP), the
   transformer-engine spec as ``mlp.experts.linear_fc1.weight{expert}``
-  (TEGroupedMLP); ``{expert}`` is the *global* expert index, ``stages.py`` maps
+  (TEGroupedMLP); ``{expert}`` is the *global* expert index, ``pipeline_stages.py`` maps
   a rank's local experts onto it. Experts are split by expert tensor parallelism
   (``ParamRule.expert``), not by the attention's TP.
 - Qwen2-VL / Qwen2.5-VL (``vision_rules() + decoder_rules("language_model.")``)

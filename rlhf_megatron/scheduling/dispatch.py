@@ -5,7 +5,7 @@ A worker class declares each method's dispatch once, where the method is written
     @dispatch(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch: ...
 
-and every ``WorkerGroup.call("compute_log_prob", batch)`` uses it (``worker_group.py`` explains
+and every ``WorkerGroup.call.compute_log_prob(batch)`` uses it (``worker_group.py`` explains
 the modes). A method without a declaration runs on every rank with the same arguments
 (``Dispatch.ALL``), as verl's default does.
 

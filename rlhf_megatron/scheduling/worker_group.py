@@ -3,8 +3,14 @@
 ``WorkerGroup(role, pool, worker_cls, ...)`` starts ``pool.world_size`` Ray
 actors of ``worker_cls`` (a ``workers.base.Worker`` subclass), one per bundle,
 and wires them into one process group (rank 0's node address and a free port
-are the rendezvous). ``call(method, *args)`` moves data the way the method
-declares (``@dispatch(...)`` on the worker class, ``dispatch.py``):
+are the rendezvous). The workers' methods are called as methods of the group's
+proxies, typed as the worker class so that an IDE follows a call to the worker's
+code and a type checker (or the first call) catches a wrong name:
+``group.call.update_critic(batch, step)`` waits for the result,
+``group.submit.update_actor(batch, step)`` returns a ``PendingCall`` at once, and
+``group.call_within(60).generate(...)`` sets the call's deadline. Each call moves
+data the way the method declares (``@dispatch(...)`` on the worker class,
+``dispatch.py``):
 
 - ``Dispatch.ALL`` (undeclared methods too): every rank gets the same
   arguments; returns the per-rank results.
@@ -32,9 +38,9 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform import stacks
@@ -129,6 +135,28 @@ def _death_among(pendings) -> WorkerError | None:
     return None
 
 
+class _Methods:
+    """A group's workers' methods as attributes (``WorkerGroup.call`` and friends). A name the
+    worker class does not define fails at the attribute, naming the class."""
+
+    __slots__ = ("_group", "_wait", "_timeout_s")
+
+    def __init__(self, group: WorkerGroup, wait: bool, timeout_s: float | None):
+        self._group, self._wait, self._timeout_s = group, wait, timeout_s
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        group = self._group
+        if method.startswith("_") or not callable(getattr(group.worker_cls, method, None)):
+            raise AttributeError(f"[{group.role}] {group.worker_cls.__name__} has no method {method!r}")
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            pending = group._submit(method, args, kwargs, self._timeout_s)
+            return pending.result() if self._wait else pending
+
+        run.__name__ = run.__qualname__ = method
+        return run
+
+
 class WorkerGroup(Generic[W]):
     """The Ray actors of one role (``worker_cls``), colocated in a resource pool's bundles."""
 
@@ -188,13 +216,30 @@ class WorkerGroup(Generic[W]):
         self._seq = itertools.count()
 
     # ------------------------------------------------------------------ calls
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run ``method`` on the ranks as it declares (see the module docstring); wait for the result."""
-        return self.submit(method, *args, timeout_s=timeout_s, **kwargs).result()
+    @property
+    def call(self) -> W:
+        """The workers' methods, each run on the ranks as it declares (see the module docstring)
+        and waited for: ``group.call.compute_values(batch)``."""
+        return cast(W, _Methods(self, wait=True, timeout_s=None))
 
-    def submit(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> PendingCall:
-        """Start ``call`` without waiting: the result (or the ``WorkerError``) comes from ``.result()``.
-        Calls to one group run in the order they were submitted on every rank."""
+    @property
+    def submit(self) -> W:
+        """The workers' methods, started without waiting: each call returns a ``PendingCall`` whose
+        ``.result()`` gives the result (or raises the ``WorkerError``). Calls to one group run in
+        the order they were submitted on every rank. Typed as the worker class for the names; the
+        calls return ``PendingCall``."""
+        return cast(W, _Methods(self, wait=False, timeout_s=None))
+
+    def call_within(self, timeout_s: float) -> W:
+        """``call`` with a deadline of ``timeout_s`` seconds instead of the group's ``call_timeout_s``."""
+        return cast(W, _Methods(self, wait=True, timeout_s=timeout_s))
+
+    def submit_within(self, timeout_s: float) -> W:
+        """``submit`` with a deadline of ``timeout_s`` seconds."""
+        return cast(W, _Methods(self, wait=False, timeout_s=timeout_s))
+
+    def _submit(self, method: str, args: tuple, kwargs: dict, timeout_s: float | None) -> PendingCall:
+        """Start ``method`` on the ranks as it declares; the proxies' one way in."""
         spec = dispatch_spec(self.worker_cls, method)
         timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         if spec.mode != Dispatch.DP_COMPUTE:
@@ -231,7 +276,7 @@ class WorkerGroup(Generic[W]):
     def dispatch_infos(self, layout: str = "megatron") -> list[tuple[int, int, bool]]:
         """Every rank's (dp_rank, dp_size, owns_output) under ``layout`` (cached once known)."""
         if layout not in self._dispatch:
-            infos = self.call("dispatch_info", layout)
+            infos = self.call.dispatch_info(layout)
             if any(i is None for i in infos):
                 missing = [r for r, i in enumerate(infos) if i is None]
                 raise RuntimeError(

@@ -144,10 +144,10 @@ def run_stage(kind: str, cfg: DictConfig, after_save: AfterSave | None = None) -
     history: list[dict[str, Any]] = []
     try:
         group = WorkerGroup(kind, pool, StageWorker, {"section": typed, "context": context, "kind": kind})
-        group.call("init_model")
+        group.call.init_model()
         step = 0
         if resume_from is not None:
-            group.call("load_checkpoint", str(resume_from))
+            group.call.load_checkpoint(str(resume_from))
             step = checkpoints.read_state(resume_from)["global_step"]
         try:
             history = _loop(stage, group, checkpoints, tracker, step, total, history, after_save)
@@ -185,7 +185,7 @@ def _loop(
         order = epoch_order(len(stage.train), epoch, trainer.seed, data.shuffle)
         chosen = order[index * data.train_batch_size : (index + 1) * data.train_batch_size]
         record = _combine(
-            stage.kind, group.call("train_batch", stage.batch([stage.train[i] for i in chosen])), "train"
+            stage.kind, group.call.train_batch(stage.batch([stage.train[i] for i in chosen])), "train"
         )
         step += 1
         record["train/epoch"] = epoch
@@ -208,14 +208,14 @@ def _validate(stage: _Stage, group) -> dict[str, float]:
     size = max(stage.cfg.data.train_batch_size, 1)
     parts = []
     for start in range(0, len(stage.val), size):
-        parts += group.call("eval_batch", stage.batch(stage.val[start : start + size]))
+        parts += group.call.eval_batch(stage.batch(stage.val[start : start + size]))
     return _combine(stage.kind, parts, "val")
 
 
 def _save(group, checkpoints, step: int) -> None:
     tmp = checkpoints.begin(step)
     try:
-        group.call("save_checkpoint", str(tmp))
+        group.call.save_checkpoint(str(tmp))
         checkpoints.commit(step, tmp, {"global_step": step})
     except BaseException:
         checkpoints.abort(tmp)

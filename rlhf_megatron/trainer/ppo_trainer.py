@@ -1,6 +1,6 @@
 """The PPO/GRPO driver loop: one place where the whole data flow of a step is visible.
 
-Per step (``ARCHITECTURE.md``, "One PPO step"):
+Per step (``docs/concepts/architecture.md``, "One step through the layers"):
 
     prompts -> generate (syncs actor weights into the rollout engine first)
             -> reward -> old / reference log-probs, critic values
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from rlhf_megatron.trainer.metrics import (
     mean_over_ranks,
 )
 from rlhf_megatron.trainer.rollout_client import RolloutClient
-from rlhf_megatron.trainer.rollout_queue import RolloutScheduler, actor_version
+from rlhf_megatron.trainer.rollout_scheduler import RolloutScheduler, actor_version
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class PPOTrainer:
         self.rollout_client = RolloutClient(
             actor, rollout, interrupts, restart=restart_rollout, max_restarts=run.trainer.max_restarts
         )
-        """Generations and weight pushes (the scheduler's view of the rollout)."""
+        """Generations and weight updates (the scheduler's view of the rollout)."""
         self.partial = interrupts is not None
         self.critic_warmup = run.trainer.critic_warmup
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
@@ -122,6 +122,8 @@ class PPOTrainer:
         self.global_step = 0
         self.history: list[dict[str, Any]] = []
         self.rollouts: RolloutScheduler | None = None
+        self.rollout_stale = False
+        """Whether the rollout pool lacks the actor's weights at start (``resume`` says)."""
         self.t0 = time.time()
         """Wall-clock origin of the ``timeline/*`` metrics."""
         self.fused_passes = self._fused_passes()
@@ -165,6 +167,8 @@ class PPOTrainer:
             log_probs=self.fused_passes,
         )
         self.rollouts.restore(restored_queue)
+        if self.rollout_stale:  # the same verb as every step's, forced: the pool's weights are not these
+            self.rollouts.update_weights(self.global_step, force=True)()
         try:
             if trainer.val_before_train or trainer.val_only:
                 val = self.validate()
@@ -226,7 +230,8 @@ class PPOTrainer:
             yield from self.train_loader
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """One step, phase by phase (``ARCHITECTURE.md``, "One PPO step"); every phase is timed."""
+        """One step, phase by phase (``docs/concepts/architecture.md``, "One step through the layers");
+        every phase is timed."""
         plan, timer, wall, start = self.plan, StepTimer(), time.time(), time.perf_counter()
         metrics: dict[str, Any] = {
             "training/global_step": step,
@@ -236,14 +241,20 @@ class PPOTrainer:
         batch = self._score_and_log_probs(batch, step, timer, metrics)
         if plan.critic:
             with timer("values"):
-                batch = batch.union(self.critic.call("compute_values", batch))
+                batch = batch.union(self.critic.call.compute_values(batch))
         with timer("adv"):
             batch = self.compute_advantages(batch, metrics)
         if plan.critic:
             with timer("update_critic"):
-                metrics.update(mean_over_ranks(self.critic.call("update_critic", batch, step)))
+                metrics.update(mean_over_ranks(self.critic.call.update_critic(batch, step)))
         if step > self.cfg.trainer.critic_warmup:
-            self._update_actor_and_sync(batch, step, timer, metrics)
+            weights = self._update_actor(batch, step, timer, metrics)
+            # The new weights into the rollout engine, timed as a phase of its own (submitted behind
+            # the update already on the colocated sync schedule; else now, or once the rollout is
+            # idle or needs them).
+            with timer("sync_weights"):
+                weights = weights or self.rollouts.update_weights(step, prefetch=not self._sync_point(step))
+                metrics.update(weights())
         seconds = time.perf_counter() - start
         metrics.update(timer.metrics(self.t0), **{"timing_s/step": seconds})
         # Where the step began on the wall clock: the steady-state time per step is the distance
@@ -333,14 +344,15 @@ class PPOTrainer:
             score_at = "before" if self.reward_model is not None else "during"
         scores = self._timed_score(batch, metrics, timer) if score_at == "before" else None
         passes = []
+        submit = self.actor.submit
         for name, key, method, wanted in (
-            ("old_log_prob", "old_log_probs", "compute_log_prob", not bypass),
-            ("ref", "ref_log_probs", "compute_ref_log_prob", self.plan.ref),
+            ("old_log_prob", "old_log_probs", submit.compute_log_prob, not bypass),
+            ("ref", "ref_log_probs", submit.compute_ref_log_prob, self.plan.ref),
         ):
             if f"{key}_span" in batch.meta_info:  # computed in the generation's call
                 timer.record(name, *batch.meta_info[f"{key}_span"])
             if wanted and key not in batch.tensor_keys:
-                passes.append((name, time.time(), self.actor.submit(method, batch)))
+                passes.append((name, time.time(), method(batch)))
         if score_at == "during":
             scores = self._timed_score(batch, metrics, timer)
         if scores is not None:  # set after the passes went out, so they do not carry it
@@ -359,25 +371,22 @@ class PPOTrainer:
         metrics.update(apply_rollout_correction(batch, self.cfg.algorithm.rollout_correction))
         return batch
 
-    def _update_actor_and_sync(
+    def _update_actor(
         self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
-    ) -> None:
-        """The actor's update, then the new weights into the rollout (a phase of its own).
-
-        Colocated sync schedule: the weight sync (and the next step's generation behind it) wait on
-        the workers behind the update, not for the driver to read the update's result first."""
+    ) -> Callable[[], dict[str, float]] | None:
+        """The actor's update. Colocated sync schedule: the new weights go to the rollout engine
+        right behind it (returned: the wait), so they and the next step's generation wait on the
+        workers behind the update, not for the driver to read the update's result first."""
         prefetch = not self._sync_point(step)
-        queued = self.rollout is None and self.rollouts.prefetches
         with timer("update_actor"):
-            update = self.actor.submit("update_actor", batch, step)
+            update = self.actor.submit.update_actor(batch, step)
             if prefetch:  # the next step's prompts, loaded while the actor trains
                 self.rollouts.draw_ahead(step + 1)
-            synced = self.rollouts.submit_after_update(step, prefetch) if queued else None
+            weights = None
+            if self.rollout is None and self.rollouts.prefetches:
+                weights = self.rollouts.update_weights(step, prefetch)
             metrics.update(mean_over_ranks(update.result()))
-        # Push the new weights into the rollout engine now (or, ahead of the trainer, once the
-        # rollout is idle or needs them), so the sync is timed as its own phase.
-        with timer("sync_weights"):
-            metrics.update(synced() if queued else self.rollouts.after_update(step, prefetch=prefetch))
+        return weights
 
     # ------------------------------------------------------------------ pieces of a step
     def generate(self, prompts: Batch, seed: int, validate: bool = False, greedy: bool = False) -> Batch:
@@ -419,7 +428,7 @@ class PPOTrainer:
         result = reward_fn(batch)
         scores, metrics = result.token_level_scores, dict(result.metrics)
         if self.reward_model is not None:
-            rm = self.reward_model.call("compute_rm_score", batch)["rm_scores"]
+            rm = self.reward_model.call.compute_rm_score(batch)["rm_scores"]
             scores = scores + rm
             metrics["reward/rm_score_mean"] = float(rm.sum(-1).mean())
         return scores, metrics, dict(result.extra)
@@ -508,9 +517,9 @@ class PPOTrainer:
         tmp = self.checkpoints.begin(self.global_step)
         try:
             # Each role writes its models under <tmp>/<model name> (actor/, critic/).
-            self.actor.call("save_checkpoint", str(tmp))
+            self.actor.call.save_checkpoint(str(tmp))
             if self.plan.critic:
-                self.critic.call("save_checkpoint", str(tmp))
+                self.critic.call.save_checkpoint(str(tmp))
             if queued:
                 _atomic_save(queued, tmp / QUEUE_FILE)
             fault_point("trainer.save", step=self.global_step)
@@ -529,21 +538,21 @@ class PPOTrainer:
         """Load ``resume_from`` into the workers and the driver; the batches it had generated ahead."""
         path = self.resume_from
         if path is None:
-            if self.rollout is not None and self.cfg.actor_rollout_ref.model.lora_adapter_path:
-                # The rollout pool starts from the base; the imported adapter must reach it first.
-                self.rollout_client.push_weights(actor_version(self.global_step, self.critic_warmup))
+            # The rollout pool starts from the base; an imported adapter must reach it first.
+            self.rollout_stale = self.rollout is not None and bool(
+                self.cfg.actor_rollout_ref.model.lora_adapter_path
+            )
             return []
         state = self.checkpoints.read_state(path)
-        self.actor.call("load_checkpoint", str(path))
+        self.actor.call.load_checkpoint(str(path))
         if self.plan.critic:
-            self.critic.call("load_checkpoint", str(path))
+            self.critic.call.load_checkpoint(str(path))
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
         # Steps logged after this checkpoint ran again from here: their first records go.
         self.tracker.rewind(self.global_step)
         queued = torch.load(path / QUEUE_FILE, weights_only=False) if state.get("rollout_queue") else []
-        if self.rollout is not None:  # the rollout pool still holds the initial weights
-            self.rollout_client.push_weights(actor_version(self.global_step, self.critic_warmup))
+        self.rollout_stale = self.rollout is not None  # the rollout pool still holds the initial weights
         logger.info("resumed from %s at step %d", path, self.global_step)
         return queued

@@ -1,6 +1,6 @@
 """The rollout as the driver sees it: generations and weight pushes over worker groups.
 
-``RolloutClient`` is the narrow interface the rollout scheduler (``rollout_queue.py``) drives,
+``RolloutClient`` is the narrow interface the rollout scheduler (``rollout_scheduler.py``) drives,
 the ``Rollout`` protocol there: submit a generation, a continuation (partial rollout) or new
 weights, wait for a generation, interrupt the ones in flight. Colocated, the actor's own
 processes generate and sync through their engine; disaggregated, a rollout pool generates and
@@ -20,7 +20,7 @@ import torch
 
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.scheduling.worker_group import PendingCall, WorkerGroup, wait_all
-from rlhf_megatron.trainer.rollout_queue import VERSION_KEY
+from rlhf_megatron.trainer.rollout_scheduler import VERSION_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class RolloutClient:
         extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
         if log_probs:  # only the colocated actor takes them (``PPOTrainer._fused_passes``)
             extra["log_probs"] = log_probs
-        pending = self.group.submit(
-            "generate_sequences", padded, validate=validate, greedy=greedy, seed=seed, **extra
+        pending = self.group.submit.generate_sequences(
+            padded, validate=validate, greedy=greedy, seed=seed, **extra
         )
         pending.pad, pending.rows = pad, len(padded)
         return pending
@@ -97,7 +97,7 @@ class RolloutClient:
         """Partial rollout: finish an interrupted generation's unfinished rows with the rollout's
         current weights (``finish_generate`` collects it)."""
         padded, pad = batch.pad_to_divisor(self.group.dp_size("rollout"))
-        pending = self.group.submit("continue_sequences", padded, seed=seed, interrupt_epoch=interrupt_epoch)
+        pending = self.group.submit.continue_sequences(padded, seed=seed, interrupt_epoch=interrupt_epoch)
         pending.pad, pending.rows = pad, len(padded)
         return pending
 
@@ -119,22 +119,18 @@ class RolloutClient:
             )
         return self.interrupts.raise_()
 
-    def submit_weights(self, version: int) -> Callable[[], dict[str, float]]:
+    def update_weights(self, version: int) -> Callable[[], dict[str, float]]:
         """Give the rollout the actor's current weights (``version`` updates): colocated, through the
         actor's own engine; disaggregated, streamed from the trainer's rank 0 to the rollout pool.
         The returned function waits and gives the ``sync/*`` metrics; calls submitted to the rollout
         after this one run with the new weights."""
         if self.rollout is None:
-            return self.actor.submit("sync_weights").result
-        send = self.actor.submit("send_weights", version)
-        receive = self.rollout.submit("receive_weights", version)
+            return self.actor.submit.update_weights().result
+        send = self.actor.submit.send_weights(version)
+        receive = self.rollout.submit.receive_weights(version)
 
         def wait() -> dict[str, float]:
             sent, received = wait_all([send, receive])
             return {**sent, **received}
 
         return wait
-
-    def push_weights(self, version: int) -> dict[str, float]:
-        """``submit_weights`` and wait."""
-        return self.submit_weights(version)()

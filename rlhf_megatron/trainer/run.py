@@ -231,11 +231,11 @@ def _worker_groups(run: RunConfig, context: RunContext):
         pools.append(rollout_pool)
         groups["rollout"] = _rollout_group(run, context, rollout_pool)
     # The rollout pool's vLLM starts while the trainer's roles build their models, one role at a time.
-    starting = groups["rollout"].submit("init_model") if "rollout" in groups else None
+    starting = groups["rollout"].submit.init_model() if "rollout" in groups else None
     try:
         for role, group in groups.items():
             if role != "rollout":
-                group.call("init_model")
+                group.call.init_model()
     except BaseException:
         if starting is not None:
             groups["rollout"].kill()
@@ -253,11 +253,11 @@ def _join_sync(actor, rollout_group) -> tuple[str, int]:
     from rlhf_megatron.weights.cross_pool import CrossPoolRoute
 
     route = CrossPoolRoute.of(rollout_group.world_size)
-    host, port = actor.nodes[0]["ip"], actor.call("node_info")["free_port"]
+    host, port = actor.nodes[0]["ip"], actor.call.node_info()["free_port"]
     wait_all(
         [
-            actor.submit("join_sync_group", host, port, route),
-            rollout_group.submit("join_sync_group", host, port, route),
+            actor.submit.join_sync_group(host, port, route),
+            rollout_group.submit.join_sync_group(host, port, route),
         ]
     )
     return host, port
@@ -287,7 +287,7 @@ def _rollout_restarter(run: RunConfig, context: RunContext, pools: list, groups:
 
     def restart():
         group = groups["rollout"] = _rollout_group(run, context, pools[-1])
-        group.call("init_model")
+        group.call.init_model()
         _join_sync(groups["actor"], group)
         _arm_step_deadline(run, [group])
         return group

@@ -3,7 +3,7 @@
 Per process: the Megatron actor (trained), optionally the Megatron reference
 policy (frozen, same layout; built when the run's ``RolePlan`` has a KL term),
 and the rollout engine (vLLM colocated, or the transformers fallback). The
-driver calls ``sync_weights`` right after every ``update_actor``, which streams
+driver calls ``update_weights`` right after every ``update_actor``, which streams
 the new weights into the rollout engine through the weight converter
 (``rlhf_megatron.weights``); ``generate_sequences`` syncs first only when the
 weights changed some other way (a checkpoint was loaded).
@@ -44,7 +44,7 @@ UPDATE_KEYS = ("responses", "response_mask", "old_log_probs", "advantages")
 
 
 class ActorRolloutRefWorker(MegatronRoleWorker):
-    """``init_model``, ``generate_sequences``, ``sync_weights``, ``compute_log_prob``,
+    """``init_model``, ``generate_sequences``, ``update_weights``, ``compute_log_prob``,
     ``compute_ref_log_prob``, ``update_actor``."""
 
     section: ActorRolloutRefConfig
@@ -69,7 +69,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
             )
         self.actor: MegatronEngine | None = None
         self.ref: MegatronEngine | None = None
-        self.rollout: RolloutEngine | None = None
+        self.rollout_engine: RolloutEngine | None = None
         self.agent = None
         """The multi-turn agent loop, on the colocated engine's leader (``workers.rollout.build_agent``)."""
         self.syncer: WeightSyncer | None = None
@@ -118,8 +118,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         (its buckets go to the rollout pool through ``send_weights``)."""
         arc = self.section
         if arc.hybrid_engine:
-            self.rollout = build_engine(arc, self.context, self.rank, self.rollout_tp)
-            self.agent = build_agent(arc, self.rollout)
+            self.rollout_engine = build_engine(arc, self.context, self.rank, self.rollout_tp)
+            self.agent = build_agent(arc, self.rollout_engine)
         groups = ParallelGroups.current()
         p = self.parallel
         merged = self.actor.lora is not None and arc.lora_sync == "merged"
@@ -146,20 +146,20 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         return super().dispatch_info(layout)
 
     @dispatch(Dispatch.RANK0)
-    def sync_weights(self) -> dict[str, float]:
+    def update_weights(self) -> dict[str, float]:
         """Stream the actor's current weights into the rollout engine (collective over the actor).
         Returns the converter's per-phase seconds and peak bucket bytes as ``sync/*``."""
-        self.rollout.wake_up()
+        self.rollout_engine.wake_up()
         lora = self.actor.lora
         if lora is not None and self.section.lora_sync == "adapter":
             self.adapter_version += 1
-            self.rollout.load_adapter(self.actor.full_adapters(), lora, self.adapter_version)
+            self.rollout_engine.load_adapter(self.actor.full_adapters(), lora, self.adapter_version)
         elif lora is not None:
-            self.rollout.update_weights(
+            self.rollout_engine.update_weights(
                 merge_adapters(self.syncer.iter_weights(), self.actor.full_adapters(), lora.scale)
             )
         else:
-            self.rollout.update_weights(self.syncer.iter_weights())
+            self.rollout_engine.update_weights(self.syncer.iter_weights())
         # Mid-call, not at its start: a kill as a queued call starts can lose the reply of the
         # call before it (Ray sends it after that call returns), and the death would surface there.
         fault_point("actor.sync", step=self.updates, rank=self.rank)
@@ -178,7 +178,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
     def send_weights(self, version: int) -> dict[str, float]:
         """Every rank executes the plan (gathers inside the trainer's world); rank 0 streams the
         buckets to the rollout pool (``RolloutWorker.receive_weights``), bucket ``k+1`` gathered while
-        bucket ``k`` is on the wire. Returns ``sync/*`` as ``sync_weights`` does, plus the wire's."""
+        bucket ``k`` is on the wire. Returns ``sync/*`` as ``update_weights`` does, plus the wire's."""
         fault_point("actor.sync", step=self.updates, rank=self.rank)
         start = time.perf_counter()
         buckets = self.syncer.iter_buckets()
@@ -219,19 +219,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         rollout's TP groups are the actor's and there is one pipeline stage (``fuses_passes``).
         Each comes back as its column, its wall-clock span in ``meta_info[<name>_span]``;
         otherwise the driver runs the pass as its own call."""
-        if self.rollout is None:
+        if self.rollout_engine is None:
             raise RuntimeError(
                 f"[actor] rank {self.rank}: generate_sequences on the actor, but the rollout runs on its own "
                 "pool (actor_rollout_ref.hybrid_engine=false)"
             )
         start = time.time()
         if self.weights_stale:
-            self.sync_weights()
+            self.update_weights()
         megatron = self.section.actor.megatron
         with self.actor.offloaded(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload):
             replica = self.rank // self.rollout_tp
             out = sample(
-                self.rollout,
+                self.rollout_engine,
                 self.section,
                 prompts,
                 replica,
@@ -240,7 +240,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 seed=seed,
                 agent=self.agent,
             )
-        if not (validate or greedy):  # after sampling (see sync_weights' fault point)
+        if not (validate or greedy):  # after sampling (see update_weights' fault point)
             fault_point("actor.generate", step=self.updates + 1, rank=self.rank)
         elif validate:
             fault_point("actor.validate", step=self.updates, rank=self.rank)
@@ -414,6 +414,6 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         return metrics
 
     def shutdown(self) -> None:
-        if self.rollout is not None and hasattr(self.rollout, "shutdown"):
-            self.rollout.shutdown()
+        if self.rollout_engine is not None and hasattr(self.rollout_engine, "shutdown"):
+            self.rollout_engine.shutdown()
         super().shutdown()

@@ -163,7 +163,7 @@ class PoolJudgeClient:
                 JudgeWorker,
                 {"config": self.config},
             )
-            self.group.call("init_model", timeout_s=3600.0)
+            self.group.call_within(3600.0).init_model()
         except BaseException:
             self.close()
             raise
@@ -171,7 +171,7 @@ class PoolJudgeClient:
     def generate(self, prompts: list[list[int]], timeout_s: float) -> list[list[int] | None]:
         self.start()
         # The engine's deadline travels with the call; the group's is the hang guard past it.
-        return self.group.call("generate", prompts, timeout_s, timeout_s=timeout_s + REPLY_MARGIN_S)
+        return self.group.call_within(timeout_s + REPLY_MARGIN_S).generate(prompts, timeout_s)
 
     def close(self) -> None:
         group, self.group = self.group, None

@@ -192,7 +192,7 @@ class RolloutWorker(Worker):
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.rollout_tp} does not divide the "
                 f"rollout pool's {world_size} processes (rollout.nnodes x rollout.n_gpus_per_node)"
             )
-        self.engine: RolloutEngine | None = None
+        self.rollout_engine: RolloutEngine | None = None
         self.agent = None
         """The multi-turn agent loop, on the engine's leader (``build_agent``)."""
         self.sync_group = None
@@ -207,8 +207,8 @@ class RolloutWorker(Worker):
         from rlhf_megatron.platform import setup_platform
 
         setup_platform()
-        self.engine = build_engine(self.section, self.context, self.rank, self.rollout_tp)
-        self.agent = build_agent(self.section, self.engine)
+        self.rollout_engine = build_engine(self.section, self.context, self.rank, self.rollout_tp)
+        self.agent = build_agent(self.section, self.rollout_engine)
 
     def dispatch_info(self, layout: str = "rollout") -> tuple[int, int, bool]:
         """Every layout is the rollout's: replica ``rank // tp`` of ``world // tp``; its TP rank 0 answers."""
@@ -246,7 +246,7 @@ class RolloutWorker(Worker):
         stop = None if validate or greedy else self._stop(interrupt_epoch)
         if stop is None:
             out = sample(
-                self.engine,
+                self.rollout_engine,
                 self.section,
                 prompts,
                 replica,
@@ -259,9 +259,9 @@ class RolloutWorker(Worker):
             if seed is not None:
                 seed = seed + replica * len(prompts)  # as ``sample`` offsets it
             sampling = RolloutSampling.from_config(self.section.rollout, seed=seed)
-            self.engine.wake_up()
-            out = self.engine.generate_sequences(prompts, sampling, stop=stop)
-            self.engine.sleep()
+            self.rollout_engine.wake_up()
+            out = self.rollout_engine.generate_sequences(prompts, sampling, stop=stop)
+            self.rollout_engine.sleep()
         out[VERSION_KEY] = torch.full((len(out),), self.version, dtype=torch.int64)
         out.meta_info.update(gen_start=start, gen_end=time.time())
         return out
@@ -277,9 +277,9 @@ class RolloutWorker(Worker):
             seed = seed + (self.rank // self.rollout_tp) * len(batch)
         sampling = RolloutSampling.from_config(self.section.rollout, seed=seed)
         empty = batch[UNFINISHED_KEY] & (batch["response_mask"].sum(-1) == 0)
-        self.engine.wake_up()
-        out = self.engine.continue_sequences(batch, sampling, stop=self._stop(interrupt_epoch))
-        self.engine.sleep()
+        self.rollout_engine.wake_up()
+        out = self.rollout_engine.continue_sequences(batch, sampling, stop=self._stop(interrupt_epoch))
+        self.rollout_engine.sleep()
         out[VERSION_KEY] = torch.where(empty, self.version, batch[VERSION_KEY])
         out.meta_info.update(gen_start=start, gen_end=time.time())
         return out
@@ -307,8 +307,8 @@ class RolloutWorker(Worker):
         stats: dict[str, float] = {}
         start = time.perf_counter()
         self.broken = f"the weight sync to version {version} did not finish"
-        self.engine.wake_up()
-        self.engine.update_weights(receive_buckets(self.sync_group, stats))
+        self.rollout_engine.wake_up()
+        self.rollout_engine.update_weights(receive_buckets(self.sync_group, stats))
         if stats.get("version") != version:
             raise RuntimeError(
                 f"[rollout] rank {self.rank}: expected weights of version {version}, the trainer sent "
@@ -323,7 +323,7 @@ class RolloutWorker(Worker):
         }
 
     def shutdown(self) -> None:
-        if self.engine is not None and hasattr(self.engine, "shutdown"):
-            self.engine.shutdown()
+        if self.rollout_engine is not None and hasattr(self.rollout_engine, "shutdown"):
+            self.rollout_engine.shutdown()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

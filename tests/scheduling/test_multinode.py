@@ -26,7 +26,7 @@ def test_two_node_cluster_places_bundles_per_strategy_and_runs_a_collective():
         group = WorkerGroup("critic", pool, EchoWorker, call_timeout_s=120)
         nodes = [info["node_id"] for info in group.nodes]
         assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes
-        assert group.call("all_reduce_sum", 1.0) == [4.0] * 4
+        assert group.call.all_reduce_sum(1.0) == [4.0] * 4
         group.shutdown()
         pool.remove()
         # A pool that can't fit (3 processes on one 2-CPU node) fails with a clear message, not a hang.

@@ -29,7 +29,7 @@ def _group(n, tp, name):
 
     pool = ResourcePool(name, [n])
     group = WorkerGroup("actor", pool, EchoWorker, call_timeout_s=120)
-    group.call("init_model", tp)
+    group.call.init_model(tp)
     return group, pool
 
 
@@ -38,7 +38,7 @@ def test_dp_compute_splits_by_dp_rank_and_collects_owners(local_ray, n, tp):
     group, pool = _group(n, tp, f"echo{n}")
     try:
         x = torch.arange(8, dtype=torch.float32)
-        out = group.call("tag_rows", Batch.from_dict({"x": x}))
+        out = group.call.tag_rows(Batch.from_dict({"x": x}))
         dp = n // tp
         assert torch.equal(out["x"], x), "rows come back in order"
         assert torch.equal(out["dp_rank"], torch.arange(dp).repeat_interleave(8 // dp))
@@ -46,7 +46,7 @@ def test_dp_compute_splits_by_dp_rank_and_collects_owners(local_ray, n, tp):
         assert torch.allclose(out["tp_sum"], torch.full((8,), float(x.sum()) * tp))
         if dp > 1:
             with pytest.raises(ValueError, match="does not split into data-parallel size"):
-                group.call("tag_rows", Batch.from_dict({"x": torch.arange(3.0)}))
+                group.call.tag_rows(Batch.from_dict({"x": torch.arange(3.0)}))
     finally:
         group.shutdown()
         pool.remove()
@@ -56,7 +56,7 @@ def test_exception_on_one_rank_names_role_rank_and_traceback(local_ray):
     group, pool = _group(2, 1, "fail")
     start = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call("fail", 1)
+        group.call.fail(1)
     assert time.monotonic() - start < 30
     msg = str(err.value)
     assert "[actor] rank 1 on node" in msg and "ValueError: deliberate failure in rank 1" in msg
@@ -71,7 +71,7 @@ def test_killed_worker_is_reported_within_timeout(local_ray):
     group, pool = _group(2, 1, "die")
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"\[actor\] rank 0 on node .*process died during die") as err:
-        group.call("die", 0, timeout_s=60)
+        group.call_within(60).die(0)
     assert time.monotonic() - start < 30
     assert err.value.cause == "died" and failure_cause(err.value) == "died"  # a restart may cure it
     pool.remove()
@@ -81,7 +81,7 @@ def test_dead_rank_is_named_even_when_a_peer_error_arrives_first(local_ray):
     group, pool = _group(2, 1, "die_late")
     start = time.monotonic()
     with pytest.raises(WorkerError) as err:
-        group.call("die_then_peer_fails", 1, timeout_s=60)
+        group.call_within(60).die_then_peer_fails(1)
     assert time.monotonic() - start < 30
     msg = str(err.value)
     assert msg.startswith("[actor] rank 1 on node") and "process died during die_then_peer_fails" in msg, msg
@@ -94,10 +94,10 @@ def test_death_names_the_calls_queued_behind_the_one_it_surfaced_on(local_ray):
     # A process killed as a queued call starts can lose the previous call's reply, so the death
     # surfaces on that call: the error names what was queued behind it, in submission order.
     group, pool = _group(2, 1, "die_queued")
-    assert group.call("nap", 0.0) == [0, 1]  # collected: not in flight any more
+    assert group.call.nap(0.0) == [0, 1]  # collected: not in flight any more
     assert group.dp_size() == 2  # tag_rows splits by DP rank: the layout is known before a rank dies
-    first = group.submit("die", 1, timeout_s=60)
-    behind = [group.submit("nap", 0.1), group.submit("tag_rows", Batch.from_dict({"x": torch.zeros(2)}))]
+    first = group.submit_within(60).die(1)
+    behind = [group.submit.nap(0.1), group.submit.tag_rows(Batch.from_dict({"x": torch.zeros(2)}))]
     with pytest.raises(WorkerError) as err:
         first.result()
     msg = str(err.value)
@@ -116,7 +116,7 @@ def test_hang_hits_the_deadline_and_names_where_each_rank_was(local_ray):
     group, pool = _group(2, 1, "hang")
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"hang_one did not finish within 3 s on ranks \[0, 1\]") as err:
-        group.call("hang_one", 0, timeout_s=3)
+        group.call_within(3).hang_one(0)
     assert time.monotonic() - start < 20
     assert err.value.cause == "hung" and failure_cause(err.value) == "hung"  # handled like a death
     msg = str(err.value)

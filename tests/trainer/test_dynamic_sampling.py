@@ -1,11 +1,11 @@
 """DAPO's dynamic sampling on its own: which groups are kept, how rounds add up, what the step trains
 on, and the scheduler's extra rounds in the sync and one-step-off schedules (the rollout is the
-recorder of ``test_rollout_queue``; the e2e runs are in test_dapo_e2e)."""
+recorder of ``test_rollout_scheduler``; the e2e runs are in test_dapo_e2e)."""
 
 import numpy as np
 import pytest
 import torch
-from test_rollout_queue import _Rollout, _scheduler
+from test_rollout_scheduler import _Rollout, _scheduler
 
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rewards.manager import OverlongBuffer, overlong_penalty
@@ -131,7 +131,7 @@ def test_extra_rounds_draw_new_prompts_with_new_seeds_and_the_current_weights(st
     sched = _scheduler(rollout, prompts(), staleness, total=3)
     sched.take(1)
     rollout.events.append(("update", 1))
-    sched.after_update(1)
+    sched.update_weights(1)()
     batch, _ = sched.take(2)
     queued = len(sched.queue)
     extra = sched.generate_round(2, 1)

@@ -101,8 +101,8 @@ def test_reward_model_scores_match_transformers(models):
         pool = ResourcePool("rm", [2])
         kwargs = {"section": OmegaConf.to_object(cfg).reward_model, "context": RunContext.from_config(cfg, 1)}
         group = WorkerGroup("reward_model", pool, RewardModelWorker, kwargs)
-        group.call("init_model")
-        scores = group.call("compute_rm_score", rollout)["rm_scores"]
+        group.call.init_model()
+        scores = group.call.compute_rm_score(rollout)["rm_scores"]
         group.shutdown()
         pool.remove()
     finally:

@@ -123,17 +123,17 @@ def _actor_group(cfg, name):
         call_timeout_s=600,
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )
-    group.call("init_model")
+    group.call.init_model()
     return group, pool
 
 
 def _vision_weights(group):
     """The actor's vision-tower parameters on rank 0 (TP shard), by name."""
-    return group.call("named_weights", "vision_model")
+    return group.call.named_weights("vision_model")
 
 
 def _gap(group, rollout) -> float:
-    old = group.call("compute_log_prob", rollout)["old_log_probs"]
+    old = group.call.compute_log_prob(rollout)["old_log_probs"]
     mask = rollout["response_mask"].float()
     return float(((old - rollout["rollout_log_probs"]).abs() * mask).max()), old
 
@@ -144,7 +144,7 @@ def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_i
     prompts = _prompts(cfg)
     group, pool = _actor_group(cfg, f"vl_actor_{freeze}")
     try:
-        rollout = group.call("generate_sequences", prompts, seed=1)
+        rollout = group.call.generate_sequences(prompts, seed=1)
         assert len(rollout) == 8 and rollout["position_ids"].shape == (8, 3, 64 + RESPONSE_LEN)
         gap, old = _gap(group, rollout)
         assert gap < 1e-4, f"vLLM and Megatron disagree on image prompts by {gap}"
@@ -156,14 +156,14 @@ def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_i
         update = rollout.union(
             Batch.from_dict({"old_log_probs": old, "advantages": adv * rollout["response_mask"]})
         )
-        group.call("update_actor", update)
+        group.call.update_actor(update)
         tower_after = _vision_weights(group)
         changed = [n for n in tower_before if not torch.equal(tower_before[n], tower_after[n])]
         assert (changed == []) == freeze, changed
 
-        group.call("sync_weights")
+        group.call.update_weights()
         # The same images again: vLLM must not reuse vision-encoder outputs cached before the sync.
-        rollout2 = group.call("generate_sequences", prompts, seed=2)
+        rollout2 = group.call.generate_sequences(prompts, seed=2)
         gap2, new = _gap(group, rollout2)
         assert gap2 < 1e-4, f"after the sync vLLM and Megatron disagree on image prompts by {gap2}"
     finally:

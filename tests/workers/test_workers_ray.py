@@ -123,7 +123,7 @@ def _actor_group(cfg, world, name):
         call_timeout_s=600,
         env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     )
-    group.call("init_model")
+    group.call.init_model()
     return group, pool
 
 
@@ -132,15 +132,14 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
     cfg = _config(tiny, world)
     group, pool = _actor_group(cfg, world, f"actor{world}")
     try:
-        rollout = group.call(
-            "generate_sequences",
+        rollout = group.call.generate_sequences(
             _prompts(),
             log_probs=("old_log_probs",),
         )
         assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
         mask = rollout["response_mask"].float()
         fused = rollout.pop(["old_log_probs"])["old_log_probs"]
-        old = group.call("compute_log_prob", rollout)["old_log_probs"]
+        old = group.call.compute_log_prob(rollout)["old_log_probs"]
         # The pass the generation's call ran on its own rows is the pass of a call of its own.
         assert torch.equal(fused, old) and "old_log_probs_span" in rollout.meta_info
         hf = _hf_log_probs(tiny, rollout)
@@ -149,15 +148,15 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
 
         # One PPO update with a fixed advantage moves the weights; the next rollout must see them.
         rollout = rollout.union(Batch_like(rollout, old))
-        metrics = group.call("update_actor", rollout)
+        metrics = group.call.update_actor(rollout)
         assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
-        new = group.call("compute_log_prob", rollout)["old_log_probs"]
+        new = group.call.compute_log_prob(rollout)["old_log_probs"]
         assert ((new - old).abs() * mask).max() > 1e-3, "the update did not change the policy"
         # The driver syncs right after every update; the converter reports its phases.
-        sync = group.call("sync_weights")
+        sync = group.call.update_weights()
         assert {"sync/gather_s", "sync/convert_s", "sync/peak_bucket_bytes"} <= set(sync)
-        rollout2 = group.call("generate_sequences", _prompts())
-        new2 = group.call("compute_log_prob", rollout2)["old_log_probs"]
+        rollout2 = group.call.generate_sequences(_prompts())
+        new2 = group.call.compute_log_prob(rollout2)["old_log_probs"]
         mask2 = rollout2["response_mask"].float()
         assert ((new2 - rollout2["rollout_log_probs"]).abs() * mask2).max() < 1e-4, "stale weights in vLLM"
     finally:
@@ -180,11 +179,11 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
     pool = ResourcePool("critic2", [2])
     group = WorkerGroup("critic", pool, CriticWorker, _worker_kwargs(cfg, "critic"), call_timeout_s=600)
     try:
-        group.call("init_model")
+        group.call.init_model()
         from rlhf_megatron.rollout.base import assemble_rollout
 
         batch = assemble_rollout(_prompts(), [[30, 31, 2]] * 4, [[0.0] * 3] * 4, 1, RESPONSE_LEN, 0)
-        values = group.call("compute_values", batch)["values"]
+        values = group.call.compute_values(batch)["values"]
         assert values.shape == (4, RESPONSE_LEN) and torch.isfinite(values).all()
         single = _single_process_values(tiny, batch)
         mask = batch["response_mask"].bool()
@@ -193,7 +192,7 @@ def test_critic_values_at_tp2_match_single_process(local_ray, tiny):
             "values past a response's end must be zero, as verl's critic gives them"
         )
         batch = batch.union(values_batch(batch, values))
-        metrics = group.call("update_critic", batch)
+        metrics = group.call.update_critic(batch)
         assert torch.isfinite(torch.tensor(metrics[0]["critic/vf_loss"]))
     finally:
         group.shutdown()

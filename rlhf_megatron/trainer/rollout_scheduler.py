@@ -91,7 +91,7 @@ class Rollout(Protocol):
         """The generated batch; rows without a ``weight_version`` column get ``version``."""
         ...
 
-    def submit_weights(self, version: int) -> Callable[[], dict[str, float]]:
+    def update_weights(self, version: int) -> Callable[[], dict[str, float]]:
         """Send the actor's weights after ``version`` updates; the function waits (``sync/*`` metrics)."""
         ...
 
@@ -102,10 +102,6 @@ class Rollout(Protocol):
     def restart_engines(self, err: BaseException) -> bool:
         """After a generation failed with ``err``: whether the rollout's engines were built again
         (they hold no weights yet and ran nothing); False: ``err`` stands."""
-        ...
-
-    def push_weights(self, version: int) -> dict[str, float]:
-        """``submit_weights`` and wait."""
         ...
 
 
@@ -163,7 +159,7 @@ class RolloutScheduler:
     @property
     def prefetches(self) -> bool:
         """The sync schedule (staleness 0, no partial rollout): the one that draws prompts and
-        queues the next generation ahead (``draw_ahead``, ``after_update(prefetch=True)``)."""
+        queues the next generation ahead (``draw_ahead``, ``update_weights(prefetch=True)``)."""
         return self.staleness == 0 and not self.partial
 
     # ------------------------------------------------------------------ generations
@@ -209,7 +205,7 @@ class RolloutScheduler:
         every generation they lost, in order, with its own prompts and seed. A lost generation
         runs on weights as new as or newer than those it was submitted with, so its lag only
         shrinks (the run is no longer bit-identical to one without the failure)."""
-        self.rollout.push_weights(self.trained_version)
+        self.rollout.update_weights(self.trained_version)()
         self.rollout_version = self.trained_version
         for gen in [failed, *(g for g in self.queue if g is not failed)]:
             if gen.batch is None:
@@ -237,7 +233,7 @@ class RolloutScheduler:
         trained_by = actor_version(step - 1, self.critic_warmup)
         while True:
             if not self.queue:
-                self.sync(trained_by)  # a dropped batch: regenerate with the newest weights
+                self._send(trained_by)()  # a dropped batch: regenerate with the newest weights
                 self.next_step = max(self.next_step, step)
             self._fill(step)
             gen = self.queue.popleft()
@@ -293,40 +289,40 @@ class RolloutScheduler:
 
     def draw_ahead(self, step: int) -> None:
         """Sync schedule: take ``step``'s prompts from the loader now (the trainer calls this while the
-        actor trains, before an ``after_update(prefetch=True)``), so that submitting the generation
+        actor trains, before an ``update_weights(prefetch=True)``), so that submitting the generation
         behind the weight sync costs the driver no data loading while the rollout waits for it."""
         if self.prefetches and self.drawn is None and self.next_step == step <= self.total_steps:
             self.drawn = (step, next(self.prompts))
 
     # ------------------------------------------------------------------ weights
-    def after_update(self, step: int, prefetch: bool = False) -> dict[str, float]:
-        """Sync the rollout to the weights after ``step`` unless two or more generations are still queued
-        (then the rollout has work, and the weights go over after the next update).
+    def update_weights(
+        self, step: int, prefetch: bool = False, force: bool = False
+    ) -> Callable[[], dict[str, float]]:
+        """The actor's weights after ``step`` into the rollout: submitted now; the returned function
+        waits for them (and gives the ``sync/*`` metrics). Skipped while two or more generations are
+        still queued (the rollout has work; the weights go over after the next update), and when
+        the rollout holds them already, unless ``force`` (a rollout pool that started from the
+        base weights, on resume).
 
+        The trainer of a colocated sync schedule calls it as soon as the update is submitted: a
+        worker runs calls in order, so the weights and the next generation wait on the worker
+        behind the update instead of for the driver to read the update's result first.
         ``prefetch`` (sync schedule only; the trainer passes it unless a checkpoint or validation
         follows the step): the next step's generation is submitted right behind the weights, so the
         rollout starts it while the driver finishes this step. It is the generation the next
         ``take`` would submit (same prompts, seed and weights), only earlier."""
-        return self.submit_after_update(step, prefetch)()
-
-    def submit_after_update(self, step: int, prefetch: bool = False) -> Callable[[], dict[str, float]]:
-        """``after_update`` in two halves: submit now, wait (for the ``sync/*`` metrics) with the returned
-        function. The trainer of a colocated sync schedule calls it as soon as the update is submitted:
-        a worker runs calls in order, so the sync and the next generation wait on the worker behind
-        the update instead of for the driver to read the update's result first."""
         version = actor_version(step, self.critic_warmup)
         self.trained_version = version
-        if version == self.rollout_version or len(self.queue) > 1:
+        if force:
+            self.rollout_version = -1
+        elif version == self.rollout_version or len(self.queue) > 1:
             return dict
-        return self._submit_sync(version, fill_from=step + 1 if prefetch and self.prefetches else None)
+        return self._send(version, fill_from=step + 1 if prefetch and self.prefetches else None)
 
-    def sync(self, version: int, fill_from: int | None = None) -> dict[str, float]:
-        """Give the rollout ``version`` (queued generations run first: a rollout runs calls in order);
-        with ``fill_from``, the generations that may then start for step ``fill_from`` on are
-        submitted before waiting for the weights to arrive."""
-        return self._submit_sync(version, fill_from)()
-
-    def _submit_sync(self, version: int, fill_from: int | None = None) -> Callable[[], dict[str, float]]:
+    def _send(self, version: int, fill_from: int | None = None) -> Callable[[], dict[str, float]]:
+        """Give the rollout ``version`` (queued generations run first: a rollout runs calls in
+        order); with ``fill_from``, the generations that may then start for step ``fill_from`` on
+        are submitted before the returned function waits for the weights to arrive."""
         if version == self.rollout_version:
             return dict
         if self.partial and any(gen.batch is None for gen in self.queue):
@@ -338,7 +334,7 @@ class RolloutScheduler:
             self._finish(gen)
         if version == self.rollout_version:  # restarted engines got these weights already
             return dict
-        wait = self.rollout.submit_weights(version)
+        wait = self.rollout.update_weights(version)
         self.rollout_version = version
         if fill_from is not None:
             self._fill(fill_from)
@@ -357,7 +353,7 @@ class RolloutScheduler:
         Prompts drawn ahead go out first, so a checkpoint saves their batch with the loader's state."""
         for gen in self.queue:
             self._finish(gen)
-        metrics = self.sync(version)
+        metrics = self._send(version)()
         if self.drawn is not None:
             self._fill(self.drawn[0])
             for gen in self.queue:

@@ -1,13 +1,13 @@
 """The rollout scheduler's rule on its own: which weight version generates each step's batch, when the
 rollout syncs, and what is dropped. The rollout is a recorder of the scheduler's narrow interface
-(``rollout_queue.Rollout``; the e2e runs are in test_async_e2e)."""
+(``rollout_scheduler.Rollout``; the e2e runs are in test_async_e2e)."""
 
 import pytest
 import torch
 
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.rollout.base import UNFINISHED_KEY
-from rlhf_megatron.trainer.rollout_queue import VERSION_KEY, RolloutScheduler, actor_version, can_start
+from rlhf_megatron.trainer.rollout_scheduler import VERSION_KEY, RolloutScheduler, actor_version, can_start
 
 
 class _Done:
@@ -35,7 +35,7 @@ class _Rollout:
     def finish_generate(self, pending, version):
         return pending.result()
 
-    def submit_weights(self, version):
+    def update_weights(self, version):
         self.events.append(("sync", version))
         self.rollout_holds = version
         return lambda: {}
@@ -62,7 +62,7 @@ def _simulate(staleness, total=5, critic_warmup=0, prefetch=False):
         rollout.events.append(("update", step))
         if prefetch:
             sched.draw_ahead(step + 1)
-        sched.after_update(step, prefetch=prefetch)
+        sched.update_weights(step, prefetch=prefetch)()
     return rollout.events, lags
 
 
@@ -89,13 +89,13 @@ def test_prefetch_submits_the_next_generation_behind_the_sync_with_the_same_weig
     rollout = _Rollout()
     sched = _scheduler(rollout, _prompts(), 0, 3)
     sched.take(1)
-    sched.after_update(1, prefetch=True)
+    sched.update_weights(1, prefetch=True)()
     assert rollout.events[-2:] == [("sync", 1), ("gen", 2, 1)]  # before the driver's next take
     assert [g.step for g in sched.queue] == [2]
     rollout = _Rollout()
     sched = _scheduler(rollout, _prompts(), 0, 1)
     sched.take(1)
-    sched.after_update(1, prefetch=True)  # the last step: nothing left to generate
+    sched.update_weights(1, prefetch=True)()  # the last step: nothing left to generate
     assert rollout.events[-1] == ("sync", 1) and not sched.queue
 
 
@@ -115,7 +115,7 @@ def test_prompts_drawn_ahead_feed_the_next_generation_once_and_a_sync_point_send
     sched.draw_ahead(2)
     sched.draw_ahead(2)  # already drawn: the loader is not read twice
     assert drawn == [1, 2] and not sched.queue
-    sched.after_update(1, prefetch=True)
+    sched.update_weights(1, prefetch=True)()
     assert sched.drawn is None and [int(g.prompts["input_ids"][0, 0]) for g in sched.queue] == [2]
     batch, _ = sched.take(2)
     sched.draw_ahead(3)
@@ -167,13 +167,13 @@ def test_a_batch_older_than_the_bound_is_dropped_counted_and_regenerated():
     rollout = _Rollout()
     sched = _scheduler(rollout, _prompts(), 1, 3)
     sched.take(1)
-    sched.after_update(1)
+    sched.update_weights(1)()
     # A batch from version 0 queued for step 3 (e.g. restored from an older schedule): lag 2 > 1.
     sched.take(2)
     stale = Batch.from_dict({VERSION_KEY: torch.zeros(2, dtype=torch.long)})
     sched.queue.clear()
     sched.restore([(3, stale, stale)])
-    sched.after_update(2)
+    sched.update_weights(2)()
     batch, metrics = sched.take(3)
     assert metrics["async/dropped_samples"] == 2
     assert metrics["async/staleness_max"] <= 1 and int(batch[VERSION_KEY][0]) == 2
@@ -238,7 +238,7 @@ def test_partial_rollout_interrupts_at_every_sync_and_continues_under_the_new_we
         batch, metrics = sched.take(step)
         assert UNFINISHED_KEY not in batch.tensor_keys, "the trainer never sees the partial-rollout column"
         records.append(metrics)
-        sched.after_update(step)
+        sched.update_weights(step)()
     # The same rule decides when to sync as without partial rollout ...
     plain, _ = _simulate(2, total=5)
     assert [e for e in rollout.events if e[0] == "sync"] == [e for e in plain if e[0] == "sync"]
@@ -272,9 +272,6 @@ class _DyingRollout(_Rollout):
         self.rollout_holds = None  # fresh engines hold no trained weights
         return True
 
-    def push_weights(self, version):
-        return self.submit_weights(version)()
-
 
 class _Dies:
     def result(self):
@@ -293,7 +290,7 @@ def test_a_dead_rollout_is_rebuilt_given_the_newest_weights_and_its_lost_generat
         _, metrics = sched.take(step)
         lags.append(metrics["async/staleness_max"])
         rollout.events.append(("update", step))
-        sched.after_update(step)
+        sched.update_weights(step)()
     lost = ("gen dies", 2, 1) if staleness == 0 else ("gen dies", 2, 0)  # one-step-off: on version 0
     rerun = [("restart",), ("sync", 1), ("gen", 2, 1)]  # the newest weights, then the same seed
     start = rollout.events.index(lost)
