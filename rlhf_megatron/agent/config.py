@@ -142,21 +142,34 @@ def import_class(class_name: str, base_dir: str | None = None) -> type:
     A relative file path is looked up from the working directory, then from ``base_dir`` (the
     config file's directory). Raises ImportError, AttributeError or TypeError with the reason.
     """
-    file_path, attr = _split_file_spec(class_name)
+    obj, module = _import(class_name, base_dir)
+    if not isinstance(obj, type):
+        raise TypeError(
+            f"'{class_name}' in module '{module.__name__}' is a {type(obj).__name__}, not a class"
+        )
+    return obj
+
+
+def import_object(spec: str, base_dir: str | None = None) -> Any:
+    """``import_class`` for any attribute (a function, say): ``package.module.name`` or
+    ``path/to/file.py:name``."""
+    return _import(spec, base_dir)[0]
+
+
+def _import(spec: str, base_dir: str | None) -> tuple[Any, Any]:
+    file_path, attr = _split_file_spec(spec)
     if file_path is not None:
         module = _load_file_module(_resolve_file(file_path, base_dir))
     else:
-        module_name, _, attr = class_name.rpartition(".")
+        module_name, _, attr = spec.rpartition(".")
         if not module_name:
-            raise ImportError(f"'{class_name}' has no module part")
+            raise ImportError(f"'{spec}' has no module part")
         module = importlib.import_module(module_name)
     obj = getattr(module, attr, None)
     if obj is None:
         classes = sorted(k for k, v in vars(module).items() if isinstance(v, type) and not k.startswith("_"))
         raise AttributeError(f"module '{module.__name__}' has no '{attr}'; its classes: {', '.join(classes)}")
-    if not isinstance(obj, type):
-        raise TypeError(f"'{attr}' in module '{module.__name__}' is a {type(obj).__name__}, not a class")
-    return obj
+    return obj, module
 
 
 def _split_file_spec(class_name: str) -> tuple[str | None, str]:

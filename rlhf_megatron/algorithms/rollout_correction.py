@@ -17,16 +17,32 @@ the batch normalisation and the metrics cover every DP rank's rows without a red
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
 from rlhf_megatron.algorithms.utils import check_ndim, check_values_and_mask
 from rlhf_megatron.choices import RolloutIsLevel
 
-if TYPE_CHECKING:  # annotations only: config and data sit beside algorithms, not below it
-    from rlhf_megatron.config.schema import RolloutCorrectionConfig
-    from rlhf_megatron.data.batch import Batch
+
+class RolloutCorrectionSettings(Protocol):
+    """What ``apply_rollout_correction`` reads of ``algorithm.rollout_correction`` (the config's
+    ``RolloutCorrectionConfig``; config sits above algorithms, so it is described, not imported)."""
+
+    rollout_is: str | None
+    rollout_is_threshold: float
+    rollout_is_batch_normalize: bool
+
+
+class Columns(Protocol):
+    """The batch's tensor columns by name (``data.batch.Batch``, or a dict of tensors)."""
+
+    def __contains__(self, key: object) -> bool: ...
+    def __getitem__(self, key: str) -> torch.Tensor: ...
+    def __setitem__(self, key: str, value: torch.Tensor) -> None: ...
+    def keys(self) -> Iterable[str]: ...
+
 
 __all__ = [
     "ROLLOUT_IS_LEVELS",
@@ -132,7 +148,7 @@ def compute_rollout_is_weights(
     return weights, metrics
 
 
-def apply_rollout_correction(batch: Batch, cfg: RolloutCorrectionConfig) -> dict[str, float]:
+def apply_rollout_correction(batch: Columns, cfg: RolloutCorrectionSettings) -> dict[str, float]:
     """Write ``batch["rollout_is_weights"]`` (B, R) when ``cfg.rollout_is`` is set; return the
     ``rollout_corr/`` metrics (``{}`` and no change when it is null).
 

@@ -50,7 +50,7 @@ Roles' worst pipeline stages are summed as if on one GPU, which errs on the safe
 
 LoRA (``actor_rollout_ref.model.lora_rank > 0``, terms in ``planner_lora.py``): the actor's base
 weights are frozen and held once in the model dtype; only its adapters (fp32, counted per
-pipeline stage and TP rank from ``models.lora.resolve_targets``) have weights in fp32, fp32 main
+pipeline stage and TP rank from ``config.lora_targets.resolve_targets``) have weights in fp32, fp32 main
 grads and Adam m and v (no master copy: they are fp32 already), and an update keeps each
 adapted linear's fp32 input copy. The actor's layers are megatron's local ones (the adapters
 hook them): ``transformer_impl=auto`` reads as local. The reference policy is the actor with its

@@ -1,7 +1,7 @@
 """LoRA's terms of the memory plan (``actor_rollout_ref.model.lora_rank > 0``).
 
 Role: the arithmetic ``planner.py`` needs for a LoRA run, from the adapted projections that
-``models.lora.resolve_targets`` selects and the architecture's widths:
+``config.lora_targets.resolve_targets`` selects and the architecture's widths:
 
 * Adapter parameters on one rank: an adapted HF projection of widths (in, out) holds A [r, in]
   and B [out, r]. Column-parallel projections (q/k/v_proj, gate/up_proj) keep A whole and split
@@ -59,7 +59,7 @@ class AdapterPlan:
     lora: LoraConfig
     arch: ModelArch
     targets: dict[int, dict[str, tuple[str, ...]]]
-    """Global layer -> megatron linear -> adapted HF parts (``models.lora.resolve_targets``)."""
+    """Global layer -> megatron linear -> adapted HF parts (``config.lora_targets.resolve_targets``)."""
 
     def _parts(self, layers: list[int] | range) -> list[str]:
         return [part for layer in layers for parts in self.targets.get(layer, {}).values() for part in parts]
@@ -123,7 +123,7 @@ def adapter_plan(cfg: DictConfig | Any, arch: ModelArch) -> AdapterPlan | None:
     lora = lora_config(cfg)
     if lora is None:
         return None
-    from rlhf_megatron.models.lora import LoraTargetError, resolve_targets
+    from rlhf_megatron.config.lora_targets import LoraTargetError, resolve_targets
 
     try:
         targets = resolve_targets(arch, lora, KEY)

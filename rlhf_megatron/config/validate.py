@@ -20,20 +20,13 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rlhf_megatron.choices import RolloutName
-from rlhf_megatron.config.arch import arch_for_role
 from rlhf_megatron.config.checks import SizeProblem
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS
-from rlhf_megatron.config.roles import ROLE_SECTIONS, active_roles, at, data_parallel_size, world_size
-from rlhf_megatron.config.schema import RunConfig
-from rlhf_megatron.config.schema_model import MegatronConfig
 from rlhf_megatron.config.validate_batch import (
     check_batch_divisible_by_dp,
     check_dynamic_bsz_token_budget,
@@ -56,6 +49,7 @@ from rlhf_megatron.config.validate_layout import (
     check_world_divisible,
 )
 from rlhf_megatron.config.validate_lora import check_lora
+from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = [
     "ENGINES_WITH_LOG_PROBS",
@@ -73,49 +67,6 @@ ENGINES_WITH_LOG_PROBS: tuple[str, ...] = (RolloutName.vllm, RolloutName.hf)
 
 class ArchUnknownWarning(UserWarning):
     """The model architecture is unknown, so architecture-dependent rules were skipped."""
-
-
-@dataclass
-class ValidationContext:
-    """What every cross-section rule sees: the typed config, the world size, the roles the run
-    builds, and each active role's architecture."""
-
-    run: RunConfig
-    world: int
-    roles: list[str]
-    archs: dict[str, tuple[ModelArch | None, str]] = field(default_factory=dict)
-    arch_errors: list[str] = field(default_factory=list)
-    """Model descriptions that name something this project cannot build (reported as errors)."""
-
-    @classmethod
-    def build(cls, cfg: DictConfig | RunConfig, world_size_override: int | None = None) -> ValidationContext:
-        """The context of a resolved config (the loader's DictConfig, or already typed)."""
-        run = cfg if isinstance(cfg, RunConfig) else OmegaConf.to_object(cfg)
-        roles = active_roles(run)
-        archs, errors = {}, []
-        for role in roles:
-            try:
-                archs[role] = arch_for_role(run, role)
-            except UnsupportedModelError as e:
-                archs[role] = (None, f"{role}: unsupported model")
-                errors.append(str(e))  # names its source (model_arch or a config.json)
-        return cls(run, world_size(run, world_size_override), roles, archs, list(dict.fromkeys(errors)))
-
-    def dp(self, role: str) -> int | None:
-        """The role's data-parallel size, or None when its TP x PP x CP does not divide the world."""
-        return data_parallel_size(self.run, role, self.world)
-
-    def megatron(self, role: str) -> MegatronConfig:
-        """The role's ``megatron`` section."""
-        return at(self.run, ROLE_SECTIONS[role]).megatron
-
-    def trained_roles(self) -> list[tuple[str, str, Any]]:
-        """``(role, dotted key, section)`` of each role the run trains: the actor, and the critic
-        when the advantage estimator needs one."""
-        out = [("actor", ROLE_SECTIONS["actor"], self.run.actor_rollout_ref.actor)]
-        if "critic" in self.roles:
-            out.append(("critic", ROLE_SECTIONS["critic"], self.run.critic))
-        return out
 
 
 Rule = Callable[[ValidationContext], list[str]]

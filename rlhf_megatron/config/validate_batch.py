@@ -22,7 +22,7 @@ from rlhf_megatron.config.roles import (
 )
 
 if TYPE_CHECKING:
-    from rlhf_megatron.config.validate import ValidationContext
+    from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = [
     "check_batch_divisible_by_dp",

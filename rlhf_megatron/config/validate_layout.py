@@ -21,7 +21,7 @@ from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.config.roles import ROLE_SECTIONS, rollout_world_size
 
 if TYPE_CHECKING:
-    from rlhf_megatron.config.validate import ValidationContext
+    from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = [
     "check_expert_parallel",

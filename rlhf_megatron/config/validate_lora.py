@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rlhf_megatron.config.validate import ValidationContext
+    from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = ["check_lora"]
 
@@ -21,8 +21,7 @@ MODEL = "actor_rollout_ref.model"
 def check_lora(ctx: ValidationContext) -> list[str]:
     """Target modules the model has (no MoE experts, no vision-language model), local layers, and
     a ``lora_adapter_path`` that is a PEFT adapter of this model."""
-    from rlhf_megatron.models.lora import LoraTargetError, resolve_targets
-    from rlhf_megatron.models.lora_io import read_peft_adapter
+    from rlhf_megatron.config.lora_targets import LoraTargetError, read_peft_adapter_config, resolve_targets
 
     arc = ctx.run.actor_rollout_ref
     if not arc.model.lora_rank or arc.model.validate(MODEL):
@@ -39,7 +38,7 @@ def check_lora(ctx: ValidationContext) -> list[str]:
     lora = arc.model.lora
     try:
         if lora.adapter_path:
-            lora, _ = read_peft_adapter(lora.adapter_path, arch)
+            lora, _ = read_peft_adapter_config(lora.adapter_path, arch)
         resolve_targets(arch, lora, MODEL)
     except (LoraTargetError, FileNotFoundError) as e:
         where = f" ({MODEL}.lora_adapter_path)" if lora.adapter_path else f" (model: {source})"

@@ -48,8 +48,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlhf_megatron.config.lora_targets import (
+    FUSED,
+    LoraTargetError,
+    hf_module_name,
+    resolve_targets,
+)
 from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.schema_model import LORA_MODULES, LoraConfig
+from rlhf_megatron.config.schema_model import LoraConfig
 
 __all__ = [
     "LoraTargetError",
@@ -64,88 +70,6 @@ __all__ = [
     "peft_keys",
     "resolve_targets",
 ]
-
-FUSED: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "self_attention.linear_proj": ("o_proj",),
-    "mlp.linear_fc1": ("gate_proj", "up_proj"),
-    "mlp.linear_fc2": ("down_proj",),
-}
-"""Megatron linear (under a decoder layer) -> the HF projections it fuses, in its row order."""
-COLUMN = ("self_attention.linear_qkv", "mlp.linear_fc1")
-MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
-_HF_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-
-
-class LoraTargetError(ValueError):
-    """``target_modules`` / ``exclude_modules`` / an adapter file that does not fit the model."""
-
-
-def hf_module_name(layer: int, part: str) -> str:
-    """The HF (and PEFT, and vLLM) name of decoder layer ``layer``'s projection ``part``."""
-    return f"model.layers.{layer}.{_HF_BLOCK.get(part, 'mlp')}.{part}"
-
-
-def _matches(spec: tuple[str, ...] | str, full: str) -> bool:
-    if isinstance(spec, str):
-        return spec != "all-linear" and re.fullmatch(spec, full) is not None
-    return any(full == name or full.endswith("." + name) for name in spec)
-
-
-def resolve_targets(
-    arch: ModelArch, lora: LoraConfig, key: str = "actor_rollout_ref.model"
-) -> dict[int, dict[str, tuple[str, ...]]]:
-    """The adapted projections: global layer -> megatron linear -> its HF parts that get adapters.
-
-    Raises ``LoraTargetError`` naming ``key``'s entry for a module this model does not have, an
-    expert projection of a mixture-of-experts layer, or a selection that leaves nothing."""
-    if arch.vision is not None:
-        raise LoraTargetError(
-            f"{key}.lora_rank={lora.rank}: LoRA on vision-language models ({arch.architecture}) is not "
-            "supported yet; train it in full (lora_rank=0)"
-        )
-    targets = lora.target_modules
-    every = targets == "all-linear"
-    if isinstance(targets, tuple):
-        unknown = [t for t in targets if t.split(".")[-1] not in LORA_MODULES]
-        if unknown:
-            raise LoraTargetError(
-                f"{key}.target_modules names {unknown}, which {arch.architecture} does not have as a "
-                f"linear layer LoRA can adapt; use all-linear or names from {list(LORA_MODULES)}"
-            )
-    out: dict[int, dict[str, tuple[str, ...]]] = {}
-    experts_asked: list[str] = []
-    for layer in range(arch.num_layers):
-        sparse = arch.is_moe_layer(layer)
-        for linear, parts in FUSED.items():
-            chosen = []
-            for part in parts:
-                full = hf_module_name(layer, part)
-                if not (every or _matches(targets, full)) or _matches(lora.exclude_modules, full):
-                    continue
-                if sparse and part in MLP_PARTS:
-                    if not every:
-                        experts_asked.append(full)
-                    continue
-                chosen.append(part)
-            if chosen:
-                out.setdefault(layer, {})[linear] = tuple(chosen)
-    if experts_asked:
-        raise LoraTargetError(
-            f"{key}.target_modules selects {experts_asked[0]} (and {len(experts_asked) - 1} more), the "
-            "experts of a mixture-of-experts layer; LoRA on experts is not supported. Target the "
-            "attention (q_proj, k_proj, v_proj, o_proj), or all-linear (attention and dense MLP layers)"
-        )
-    if not out:
-        raise LoraTargetError(
-            f"{key}.target_modules={_show(targets)} with exclude_modules={_show(lora.exclude_modules)} selects "
-            f"no linear layer of {arch.architecture}; its adaptable modules are {list(LORA_MODULES)}"
-        )
-    return out
-
-
-def _show(spec) -> str:
-    return repr(spec) if isinstance(spec, str) else str(list(spec))
 
 
 # ------------------------------------------------------------------ the adapter module

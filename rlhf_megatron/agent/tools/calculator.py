@@ -5,8 +5,10 @@ parentheses, unary minus/plus and ``+ - * / // % **``; anything else (names, cal
 strings, comparisons) is refused with a message the model can act on. Sizes are bounded so a
 call cannot eat the rollout worker's memory or CPU (``9**9**9``).
 
-``AnswerCheckTool`` records the model's answer per trajectory and scores it with the project's
-gsm8k scorer; ``calc_reward`` gives the final score. Boundaries: pure Python, no I/O.
+``AnswerCheckTool`` records the model's answer per trajectory and scores it with a scorer the
+tool config names (``score_fn``; the project's gsm8k scorer by default, imported by name: the
+agent layer sits below ``rewards/`` and does not import it); ``calc_reward`` gives the final
+score. Boundaries: pure Python, no I/O.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from typing import Any
 from uuid import uuid4
 
 from rlhf_megatron.agent.base import BaseTool
-from rlhf_megatron.agent.errors import ToolError
+from rlhf_megatron.agent.config import import_object
+from rlhf_megatron.agent.errors import ToolConfigError, ToolError
 from rlhf_megatron.agent.schemas import OpenAIFunctionToolSchema, ToolResponse
-from rlhf_megatron.rewards import gsm8k
 
 __all__ = ["AnswerCheckTool", "CalculatorTool", "evaluate_expression", "format_number"]
 
 MAX_EXPRESSION_CHARS = 1000
+#: ``AnswerCheckTool``'s scorer unless its config names another: ``(solution, ground_truth,
+#: format_score=, score=) -> float``, verl's ``compute_score`` signature.
+DEFAULT_ANSWER_SCORER = "rlhf_megatron.rewards.gsm8k.compute_score"
 # Integer results are capped at about 1000 digits; exponents are checked before computing.
 MAX_INT_BITS = 3400
 MAX_EXPONENT = 10_000
@@ -176,6 +181,13 @@ class AnswerCheckTool(BaseTool):
     def __init__(self, config: dict | None, tool_schema: OpenAIFunctionToolSchema | None = None):
         super().__init__(config, tool_schema)
         self.no_improvement_penalty = float(self.config.get("no_improvement_penalty", 0.05))
+        scorer = self.config.get("score_fn", DEFAULT_ANSWER_SCORER)
+        try:
+            self.score_fn = import_object(scorer)
+        except (ImportError, AttributeError) as err:
+            raise ToolConfigError(f"config.score_fn={scorer!r} cannot be imported: {err}") from err
+        if not callable(self.score_fn):
+            raise ToolConfigError(f"config.score_fn={scorer!r} is not a function")
         self._instances: dict[str, dict[str, Any]] = {}
 
     async def create(
@@ -204,7 +216,7 @@ class AnswerCheckTool(BaseTool):
         state = self._state(instance_id)
         if state["ground_truth"] is None:
             return 0.0
-        return gsm8k.compute_score(state["answer"], str(state["ground_truth"]), format_score=0.0, score=1.0)
+        return float(self.score_fn(state["answer"], str(state["ground_truth"]), format_score=0.0, score=1.0))
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:
         self._instances.pop(instance_id, None)
