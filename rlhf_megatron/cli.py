@@ -13,7 +13,7 @@ in your module (parse ``argv`` with argparse, return the exit status) and add on
 
 or call ``register_subcommand`` from code that runs before ``main``.
 
-Boundaries: no logic of its own beyond ``plan`` (a thin wrapper over ``config.planner``).
+Boundaries: no logic of its own beyond ``plan`` (a thin wrapper over ``planning.memory``).
 """
 
 from __future__ import annotations
@@ -86,9 +86,10 @@ def _usage() -> str:
 def plan_main(argv: list[str]) -> int:
     """``rlhf-megatron plan CONFIG [key=value ...] [--auto]``: print the memory plan of a config
     (with ``--auto`` or ``auto`` layout keys, first the ranking of the layouts that fit)."""
-    from rlhf_megatron.config import ConfigError, load_config
-    from rlhf_megatron.config.auto_layout import format_search
-    from rlhf_megatron.config.planner import format_plan, plan_memory
+    from rlhf_megatron.config import ConfigError
+    from rlhf_megatron.planning import load_config
+    from rlhf_megatron.planning.auto_layout import format_search
+    from rlhf_megatron.planning.memory import format_plan, plan_memory
 
     parser = argparse.ArgumentParser(prog="rlhf-megatron plan", description=plan_main.__doc__)
     parser.add_argument("config", help="preset file (path, or name under configs/)")

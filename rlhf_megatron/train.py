@@ -21,7 +21,8 @@ from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config import ConfigError, load_config, save_resolved_config
+from rlhf_megatron.config import ConfigError, save_resolved_config
+from rlhf_megatron.planning import load_config
 
 __all__ = [
     "TrainerUnavailableError",

@@ -20,7 +20,7 @@ __all__ = ["SizeProblem", "count_problems", "name_problem", "strategy_problem"]
 
 class SizeProblem(str):
     """A message about a count below 1 (a batch, a parallel size, a node count). When any section
-    reports one, ``validate_config`` skips the cross-section size rules, whose arithmetic divides
+    reports one, ``planning.validate_config`` skips the cross-section size rules, whose arithmetic divides
     by those counts, so one mistake is not reported again in three other forms."""
 
 

@@ -2,7 +2,7 @@
 
 Role: EasyR1 users run ``python3 -m verl.trainer.main config=examples/config.yaml
 worker.actor.model.model_path=... trainer.n_gpus_per_node=8``. ``python -m
-rlhf_megatron.train`` takes the same file and command line: ``load_config`` sees a
+rlhf_megatron.train`` takes the same file and command line: ``build_config`` sees a
 ``config=`` override or a ``worker.*`` key and hands the overrides here. The EasyR1 keys
 are layered as EasyR1 layers them (its dataclass defaults <- the file <- the command line)
 and then translated, in one pass, onto this project's schema through one table

@@ -1,12 +1,13 @@
 """Loading a run's config: schema defaults <- preset file(s) <- dotted overrides.
 
-Role: ``load_config`` is the single way a config comes into being. Layers are flattened to
+Role: ``build_config`` is the first step of the single way a config comes into being
+(``planning.load_config``, which then searches ``auto`` layouts, validates across sections and
+normalises). Layers are flattened to
 dotted keys and checked against the schema key by key, so one error lists every unknown
 key (with the nearest valid key), every wrongly typed value (a closed-choice key, an Enum
 field, with its allowed values) and every broken interpolation at once. verl keys that
 mean nothing with Megatron are dropped with one warning (see ``keys.IGNORED_KEYS``). The
-result is a structured, resolved DictConfig that has passed ``validate_config`` and been
-normalised (per-GPU micro-batches filled in).
+result is a structured, resolved DictConfig.
 
 Override syntax is verl's (Hydra's): ``a.b=c``, ``+a.b=c`` and ``++a.b=c`` (accepted the
 same way: the schema decides what may exist), YAML values (``null``, ``True``, ``1e-6``,
@@ -20,16 +21,16 @@ from __future__ import annotations
 
 import difflib
 import os
-import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
+from rlhf_megatron.config.auto_keys import follower_keys, searchable_keys, take_auto
 from rlhf_megatron.config.easyr1 import is_easyr1, translate_easyr1
 from rlhf_megatron.config.errors import ConfigError
 from rlhf_megatron.config.keys import (
@@ -48,7 +49,7 @@ __all__ = [
     "COMMAND_LINE",
     "IgnoredKeysWarning",
     "RESOLVED_CONFIG_NAME",
-    "load_config",
+    "build_config",
     "load_stage_config",
     "parse_overrides",
     "save_resolved_config",
@@ -283,22 +284,18 @@ def _warn_ignored(ignored: dict[str, str]) -> None:
     )
 
 
-def load_config(
-    config_file: str | os.PathLike | None = None,
-    overrides: Sequence[str] = (),
-    *,
-    world_size: int | None = None,
-    validate: bool = True,
-    on_search: Callable[[Any], None] | None = None,
-) -> DictConfig:
-    """Build the run config: defaults <- ``config_file`` (and its ``base`` chain) <- ``overrides``.
+def build_config(
+    config_file: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> tuple[DictConfig, list[str], dict[str, list[str]]]:
+    """The run config as written: defaults <- ``config_file`` (and its ``base`` chain) <-
+    ``overrides``, structured (``RunConfig``) and resolved, every key and value checked against
+    the schema, with the layout keys set to ``auto`` (or left unset under ``parallelism: auto``)
+    at the schema's defaults. Returns ``(cfg, the keys the layout search fills in, the ref's and
+    critic's keys that follow the searched actor keys)``. Raises ``ConfigError`` listing every
+    problem found.
 
-    Returns a structured (``RunConfig``), resolved DictConfig. With ``validate`` (the
-    default) it has also passed ``validate_config(cfg, world_size)`` and been normalised.
-    Layout keys set to ``auto`` (or left unset under ``parallelism: auto``) are searched first
-    (``auto_layout.resolve_auto``); ``on_search`` receives the ranked ``LayoutSearch`` (the default
-    prints the choice and the runner-up to stderr).
-    Raises ``ConfigError`` listing every problem found.
+    ``planning.load_config`` is the whole way in (search, validation across sections and
+    normalisation); this is its first step.
     """
     layers = _Layers()
     parsed = parse_overrides(overrides)
@@ -319,32 +316,13 @@ def load_config(
             for source, mapping in read_preset_layers(config_file):
                 layers.add(source, mapping)
         layers.add(COMMAND_LINE, parsed)
-    cfg, auto_keys, followers = _build_with_auto(layers)
-    if auto_keys:
-        # Imported here: the search validates candidates, and validate imports this module's siblings.
-        from rlhf_megatron.config.auto_layout import format_search, resolve_auto
-
-        search = resolve_auto(cfg, auto_keys, world_size=world_size, followers=followers)
-        if on_search is None:
-            print(format_search(search), file=sys.stderr)
-        else:
-            on_search(search)
-    if validate:
-        # Imported here: validate/normalize import this module's siblings, not the reverse.
-        from rlhf_megatron.config.normalize import normalize_config
-        from rlhf_megatron.config.validate import validate_config
-
-        validate_config(cfg, world_size=world_size)
-        normalize_config(cfg, world_size=world_size)
-    return cfg
+    return _build_with_auto(layers)
 
 
 def _build_with_auto(layers: _Layers) -> tuple[DictConfig, list[str], dict[str, list[str]]]:
     """``_build`` with the ``auto`` layout values taken out first (the schema's fields are ints):
     the config at the schema's defaults there, the keys ``parallelism: auto`` searches, and the
     ref's and critic's keys that follow the searched actor keys."""
-    from rlhf_megatron.config.auto_layout import follower_keys, searchable_keys, take_auto
-
     taken, errors = take_auto(layers.values)
     for key in taken:
         del layers.origin[key]
@@ -373,7 +351,7 @@ def load_stage_config(
     schema: type, config_file: str | os.PathLike | None = None, overrides: Sequence[str] = ()
 ) -> DictConfig:
     """A stage's config (``schema_stages.SFTConfig`` / ``RMConfig``): defaults <- ``config_file``
-    (and its ``base`` chain) <- ``overrides``, key by key as ``load_config`` checks them, then
+    (and its ``base`` chain) <- ``overrides``, key by key as ``build_config`` checks them, then
     each section's own ``validate``. Raises ``ConfigError`` listing every problem."""
     import dataclasses
 

@@ -1,6 +1,6 @@
 """Filling in the values a validated config implies, so workers read one spelling of each.
 
-Role: runs after ``validate_config`` inside ``load_config`` and rewrites, in place:
+Role: runs after ``planning.validate_config`` inside ``planning.load_config`` and rewrites, in place:
 
 * per-GPU micro-batch sizes from verl's global ones (global // DP of the role that runs them);
 * ``sequence_parallel`` off where TP is 1 (Megatron needs TP > 1 for it; verl does the same);

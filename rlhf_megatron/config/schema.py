@@ -1,7 +1,7 @@
 """Typed schema of a training run: the single source of truth for every config key.
 
 Role: dataclasses with defaults and an attribute docstring per field, turned into an
-OmegaConf structured config by ``loader.load_config``. YAML presets in ``configs/`` and
+OmegaConf structured config by ``loader.build_config``. YAML presets in ``configs/`` and
 dotted command-line overrides only change values declared here. Section and key names are
 verl's, so a verl command line parses unchanged; our extensions (``reward``,
 ``model_arch``, a few keys noted in their docstrings) are additive.
@@ -619,7 +619,7 @@ class RunConfig:
     parallelism: Parallelism = Parallelism.manual
     """``auto``: the planner chooses every layout key this config leaves unset (actor TP, PP, CP,
     EP, the rollout's TP, the per-GPU micro-batches) for the fastest predicted step that fits
-    ``trainer.gpu_memory_gb`` (``config/auto_layout.py``); a single key may also be set to ``auto``.
+    ``trainer.gpu_memory_gb`` (``planning/auto_layout.py``); a single key may also be set to ``auto``.
     ``manual`` (default): the keys as written."""
 
     model_arch: dict[str, Any] | None = None

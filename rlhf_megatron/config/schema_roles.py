@@ -14,7 +14,7 @@ are in ``validate*.py``.
 Boundaries: declarations and per-section rules only; values derived from the world size
 (per-GPU micro-batches) are filled in by ``normalize.py``. Some defaults are OmegaConf
 interpolations (``"${...}"``) so a role follows another unless it is set;
-``loader.load_config`` resolves them.
+``loader.build_config`` resolves them.
 """
 
 from __future__ import annotations

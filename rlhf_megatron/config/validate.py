@@ -1,17 +1,17 @@
-"""Every rule a config must satisfy before any process starts, run in one pass.
+"""The rules across a config's sections that the config alone can decide, and the pass that
+runs a rule set.
 
-Role: ``validate_config`` reads the config once as the typed ``RunConfig``
-(``OmegaConf.to_object``), runs each section's own rules (``RunConfig.validate``: the
-``validate`` methods beside the fields in ``schema*.py``) and then the rules that relate
-sections (``RULES``: the run-mode rules below, batch sizes in ``validate_batch.py``, parallel
-layouts against the architecture and the cluster in ``validate_layout.py``), and raises one
-``ConfigError`` listing every violation. Each message names the dotted keys and their values
-and says what to change. Closed-choice values were already checked as the config was loaded
-(their fields are Enums). Rules that need the model architecture (heads, layers, position
-limit) use ``model_arch`` or ``<model.path>/config.json``; when neither exists they are skipped
-with a warning.
+Role: ``run_rules(ctx, always, sizes)`` runs each section's own rules (``RunConfig.validate``:
+the ``validate`` methods beside the fields in ``schema*.py``) and then the rules that relate
+sections, and returns one message per violation; each names the dotted keys and their values
+and says what to change. The run-mode rules are below, batch sizes in ``validate_batch.py``;
+the rules against the model architecture (heads, layers, position limit, experts, LoRA) are in
+``planning/``, whose ``validate_config`` assembles the whole set in order and raises one
+``ConfigError``. Closed-choice values were already checked as the config was loaded (their
+fields are Enums).
 
-Boundaries: reads the config, never changes it (``normalize.py`` does that afterwards).
+Boundaries: reads the config, never changes it (``normalize.py`` does that afterwards); knows
+nothing of architectures beyond what the ``ValidationContext`` it is handed holds.
 """
 
 from __future__ import annotations
@@ -21,43 +21,22 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from omegaconf import DictConfig
-
 from rlhf_megatron.choices import RolloutName
 from rlhf_megatron.config.checks import SizeProblem
-from rlhf_megatron.config.errors import ConfigError
 from rlhf_megatron.config.names import GROUP_ADV_ESTIMATORS
-from rlhf_megatron.config.validate_batch import (
-    check_batch_divisible_by_dp,
-    check_dynamic_bsz_token_budget,
-    check_micro_batch_sizes,
-    check_mini_batch_divides_train_batch,
-    check_mini_batch_divisible_by_micro,
-)
-from rlhf_megatron.config.validate_layout import (
-    check_context_parallel_backend,
-    check_expert_parallel,
-    check_layers_divisible_by_pp,
-    check_model_arch_matches_checkpoint,
-    check_moe_training_layout,
-    check_rollout_tp,
-    check_router_replay,
-    check_sequence_fits_positions,
-    check_tp_divides_heads,
-    check_vision_language_options,
-    check_vision_tp_divides_heads,
-    check_world_divisible,
-)
-from rlhf_megatron.config.validate_lora import check_lora
 from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = [
     "ENGINES_WITH_LOG_PROBS",
-    "RULES",
-    "SIZE_RULES",
     "ArchUnknownWarning",
+    "Rule",
     "ValidationContext",
-    "validate_config",
+    "check_dapo",
+    "check_group_estimator_n",
+    "check_multi_turn",
+    "check_rollout_correction_engine",
+    "check_rollout_placement",
+    "run_rules",
 ]
 
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -220,47 +199,10 @@ def check_dapo(ctx: ValidationContext) -> list[str]:
     return out
 
 
-# Cross-section rules that hold whatever the sizes are.
-ALWAYS_RULES: tuple[Rule, ...] = (
-    check_dapo,
-    check_rollout_correction_engine,
-    check_rollout_placement,
-    check_multi_turn,
-    check_group_estimator_n,
-    check_model_arch_matches_checkpoint,
-)
-# Rules whose arithmetic divides by or compares sizes; they run only when every count is valid
-# (no section reported a ``SizeProblem``), so one mistake is not reported three times.
-SIZE_RULES: tuple[Rule, ...] = (
-    check_tp_divides_heads,
-    check_layers_divisible_by_pp,
-    check_world_divisible,
-    check_context_parallel_backend,
-    check_mini_batch_divides_train_batch,
-    check_batch_divisible_by_dp,
-    check_micro_batch_sizes,
-    check_mini_batch_divisible_by_micro,
-    check_dynamic_bsz_token_budget,
-    check_rollout_tp,
-    check_sequence_fits_positions,
-    check_vision_tp_divides_heads,
-    check_vision_language_options,
-    check_expert_parallel,
-    check_moe_training_layout,
-    check_router_replay,
-    check_lora,
-)
-RULES: tuple[Rule, ...] = ALWAYS_RULES + SIZE_RULES
-
-
-def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
-    """Run every section's rules and every rule in ``RULES``; raise ``ConfigError`` listing all
-    violations.
-
-    ``world_size`` overrides ``trainer.nnodes x trainer.n_gpus_per_node`` (a launcher that
-    knows the real number of processes passes it).
-    """
-    ctx = ValidationContext.build(cfg, world_size)
+def run_rules(ctx: ValidationContext, always: tuple[Rule, ...], sizes: tuple[Rule, ...]) -> list[str]:
+    """Every section's own rules, then ``always``, then ``sizes`` (rules whose arithmetic divides
+    by or compares sizes: they run only when no section reported a ``SizeProblem``, so one mistake
+    is not reported three times); one message per violation, duplicates once, in that order."""
     unknown = sorted({source for arch, source in ctx.archs.values() if arch is None})
     if unknown and not ctx.arch_errors:
         warnings.warn(
@@ -269,13 +211,11 @@ def validate_config(cfg: DictConfig, world_size: int | None = None) -> None:
             + "): head, layer and position checks skipped. "
             "Add a model_arch section or point model.path at a directory with config.json.",
             ArchUnknownWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     sections = ctx.run.validate(ctx.roles)
     errors: list[str] = [*ctx.arch_errors, *sections]
     sizes_ok = not any(isinstance(message, SizeProblem) for message in sections)
-    for rule in RULES:
-        if sizes_ok or rule not in SIZE_RULES:
-            errors += rule(ctx)
-    if errors:
-        raise ConfigError([str(e) for e in dict.fromkeys(errors)])
+    for rule in always + (sizes if sizes_ok else ()):
+        errors += rule(ctx)
+    return [str(e) for e in dict.fromkeys(errors)]

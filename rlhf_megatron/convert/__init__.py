@@ -36,12 +36,12 @@ import re
 import sys
 from pathlib import Path
 
-from rlhf_megatron.config.model_arch import UnsupportedModelError
 from rlhf_megatron.convert.checkpoint import conversion_world_size, convert_hf_to_mcore, convert_mcore_to_hf
 from rlhf_megatron.convert.common import DTYPES, ConversionError
 from rlhf_megatron.convert.lora import convert_lora_to_hf, convert_lora_to_peft
 from rlhf_megatron.models.hf_io import HFCheckpointError
 from rlhf_megatron.models.spec import SpecError, StageError
+from rlhf_megatron.planning.model_arch import UnsupportedModelError
 
 __all__ = [
     "ConversionError",

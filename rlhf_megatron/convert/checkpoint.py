@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.convert.common import (
     DTYPES,
     ConversionError,
@@ -37,6 +36,7 @@ from rlhf_megatron.models.spec import (
     mcore_to_hf,
     tp_shard_slices,
 )
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["conversion_world_size", "convert_hf_to_mcore", "convert_mcore_to_hf"]
 

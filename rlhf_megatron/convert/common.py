@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "DTYPES",

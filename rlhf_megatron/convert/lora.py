@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.convert.common import (
     DTYPES,
@@ -28,6 +27,7 @@ from rlhf_megatron.convert.common import (
     write_hf_config,
 )
 from rlhf_megatron.models.hf_io import HFCheckpoint
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["convert_lora_to_hf", "convert_lora_to_peft", "find_adapter"]
 

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from rlhf_megatron.config import ConfigError, load_config
+from rlhf_megatron.config import ConfigError
 from rlhf_megatron.config.presets import find_preset
+from rlhf_megatron.planning import load_config
 
 __all__ = [
     "ClusterShape",

@@ -33,7 +33,7 @@ Only this package and ``platform/`` touch ``megatron.core.parallel_state``.
 without processes.
 """
 
-from rlhf_megatron.config.model_arch import (
+from rlhf_megatron.planning.model_arch import (
     SUPPORTED_ARCHITECTURES,
     ModelArch,
     MoEArch,

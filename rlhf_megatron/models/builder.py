@@ -34,7 +34,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.attention import SDPAttention
 from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
 from rlhf_megatron.models.gpt import GPTModelWithPositions
@@ -44,6 +43,7 @@ from rlhf_megatron.models.norms import swap_module, with_sequence_parallel_norms
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
 from rlhf_megatron.models.vision_language import VisionLanguageModel
 from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.platform import is_cuda
 
 __all__ = [

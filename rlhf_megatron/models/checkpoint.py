@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.loader import unwrap_model
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "CKPT_METADATA_FILE",

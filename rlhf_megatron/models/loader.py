@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
 from rlhf_megatron.models.spec import (
     hf_names,
@@ -28,6 +27,7 @@ from rlhf_megatron.models.spec import (
     local_to_global_expert,
     local_to_global_layer,
 )
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["LoadReport", "is_scalar_head_param", "load_hf_weights", "unwrap_model"]
 

@@ -48,14 +48,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlhf_megatron.config.lora_targets import (
+from rlhf_megatron.config.schema_model import LoraConfig
+from rlhf_megatron.planning.lora_targets import (
     FUSED,
     LoraTargetError,
     hf_module_name,
     resolve_targets,
 )
-from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.schema_model import LoraConfig
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "LoraTargetError",

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.config.lora_targets import (
+from rlhf_megatron.config.schema_model import LORA_MODULES, LoraConfig
+from rlhf_megatron.planning.lora_targets import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     KEY_PATTERN,
@@ -29,8 +30,7 @@ from rlhf_megatron.config.lora_targets import (
     module_order,
     read_peft_adapter_config,
 )
-from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.schema_model import LORA_MODULES, LoraConfig
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -113,7 +113,7 @@ def write_peft_adapter(
 def read_peft_adapter(path: str | Path, arch: ModelArch) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """A PEFT adapter directory's settings (as a ``LoraConfig`` whose ``target_modules`` are the
     modules it holds) and its tensors under canonical PEFT keys, checked against ``arch``
-    (``config.lora_targets.read_peft_adapter_config`` checks the files without loading them)."""
+    (``planning.lora_targets.read_peft_adapter_config`` checks the files without loading them)."""
     from safetensors.torch import load_file
 
     lora, keys = read_peft_adapter_config(path, arch)

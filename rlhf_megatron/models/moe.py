@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "ExpertLoadRecorder",

@@ -52,7 +52,6 @@ from typing import Protocol
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.pipeline_stages import (
     StageError,
     expert_owner,
@@ -63,6 +62,7 @@ from rlhf_megatron.models.pipeline_stages import (
     param_owner,
 )
 from rlhf_megatron.models.spec_rules import SPECS, ArchSpec, Layout, ParamRule
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "ArchSpec",

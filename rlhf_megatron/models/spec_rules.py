@@ -38,7 +38,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlhf_megatron.config.model_arch import ModelArch
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["ArchSpec", "Layout", "MoENames", "ParamRule", "SPECS"]
 

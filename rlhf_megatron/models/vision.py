@@ -48,7 +48,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from rlhf_megatron.config.model_arch import VisionArch
+from rlhf_megatron.planning.model_arch import VisionArch
 
 __all__ = ["VisionLayout", "VisionTransformer", "vision_layout", "vision_transformer_config"]
 

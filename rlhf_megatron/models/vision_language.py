@@ -29,9 +29,9 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.multimodal import check_pixel_values, images_per_row, scatter_image_embeddings
 from rlhf_megatron.models.vision import VisionTransformer
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["VisionLanguageModel", "freeze_vision_tower", "vision_language_model"]
 

@@ -35,10 +35,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.rope_index import extend_positions
+from rlhf_megatron.planning.model_arch import ModelArch
 
 UNFINISHED_KEY = "rollout_unfinished"
 """Per-row bool column of an interrupted generation (partial rollout): the response is cut short."""

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import concat_vision_inputs
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.rollout.base import (
     RolloutSampling,
     assemble_rollout,

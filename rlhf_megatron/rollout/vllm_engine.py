@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import RolloutConfig
 from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.data.batch import Batch
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.rollout.base import (
     UNFINISHED_KEY,
     RolloutSampling,

@@ -34,13 +34,10 @@ from rlhf_megatron.algorithms import (
     compute_advantage,
     get_kl_controller,
 )
-from rlhf_megatron.config.context import RunContext
-from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
 from rlhf_megatron.rollout.multi_turn import AGENT_COLUMNS
-from rlhf_megatron.trainer.checkpoint import CheckpointManager
 from rlhf_megatron.trainer.dynamic_sampling import DynamicSampler
 from rlhf_megatron.trainer.metrics import (
     StepTimer,
@@ -50,6 +47,7 @@ from rlhf_megatron.trainer.metrics import (
     compute_rollout_mismatch_metrics,
     mean_over_ranks,
 )
+from rlhf_megatron.trainer.parts import RoleGroups, RunParts
 from rlhf_megatron.trainer.rollout_client import RolloutClient
 from rlhf_megatron.trainer.rollout_scheduler import RolloutScheduler, actor_version
 
@@ -72,49 +70,35 @@ class PPOTrainer:
 
     def __init__(
         self,
-        run: RunConfig,
-        context: RunContext,
+        parts: RunParts,
+        groups: RoleGroups,
         *,
-        actor,
-        rollout=None,
-        interrupts=None,
-        critic,
-        reward_model,
-        reward_fn,
-        val_reward_fn,
-        train_loader,
-        val_loader,
-        tokenizer,
-        tracker,
-        checkpoints: CheckpointManager,
-        n_params: int,
         resume_from: Path | None = None,
         first_step_metrics: dict[str, Any] | None = None,
-        restart_rollout=None,
     ):
-        """``actor``/``critic``/``reward_model`` are worker groups (None for roles ``context.plan``
-        leaves out); ``rollout`` the rollout pool's group when the rollout is disaggregated (None:
-        the actor's processes generate); ``interrupts`` its ``InterruptSignal`` when
-        ``trainer.partial_rollout`` is on; ``n_params`` is the actor's parameters per token (active,
-        for MoE), for MFU; ``resume_from`` the verified checkpoint to resume from (``run_training``
-        resolves and verifies it before any worker starts); ``first_step_metrics`` are logged with
-        the first step this trainer runs (an in-job restart's ``recovery/*``); ``restart_rollout``
-        builds the rollout pool's group again (``trainer.max_restarts`` of them: its engines restart
-        alone)."""
+        """``parts``: what the run keeps across in-job restarts; ``groups``: this try's worker
+        groups. ``resume_from``: the verified checkpoint to resume from (``run_training`` resolves
+        and verifies it before any worker starts); ``first_step_metrics`` are logged with the first
+        step this trainer runs (an in-job restart's ``recovery/*``)."""
+        run, context = parts.run, parts.context
         self.cfg, self.plan, self.seeds = run, context.plan, context.seeds
         self.total_steps = context.total_steps
-        self.actor, self.critic, self.reward_model = actor, critic, reward_model
-        self.rollout = rollout
+        self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
+        self.rollout = groups.rollout
         self.rollout_client = RolloutClient(
-            actor, rollout, interrupts, restart=restart_rollout, max_restarts=run.trainer.max_restarts
+            groups.actor,
+            groups.rollout,
+            groups.interrupts,
+            restart=groups.restart_rollout,
+            max_restarts=run.trainer.max_restarts,
         )
         """Generations and weight updates (the scheduler's view of the rollout)."""
-        self.partial = interrupts is not None
+        self.partial = groups.interrupts is not None
         self.critic_warmup = run.trainer.critic_warmup
-        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
-        self.n_params = n_params
+        self.reward_fn, self.val_reward_fn = parts.reward_fn, parts.val_reward_fn
+        self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
+        self.tokenizer, self.tracker, self.checkpoints = parts.tokenizer, parts.tracker, parts.checkpoints
+        self.n_params = parts.n_params
         self.resume_from = resume_from
         self.first_step_metrics = dict(first_step_metrics or {})
         ctrl = run.algorithm.kl_ctrl

@@ -29,6 +29,7 @@ from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import RunConfig
 from rlhf_megatron.platform import is_cuda
 from rlhf_megatron.platform.faults import StopTraining, fault_env
+from rlhf_megatron.trainer.parts import RoleGroups, RunParts
 from rlhf_megatron.trainer.recovery import Recovery
 
 logger = logging.getLogger(__name__)
@@ -300,8 +301,8 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     import ray
     from transformers import AutoTokenizer
 
-    from rlhf_megatron.config.arch import count_parameters
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.arch import count_parameters
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.trainer.checkpoint import CheckpointManager
     from rlhf_megatron.trainer.loggers import Tracker
 
@@ -337,7 +338,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     recovery = Recovery(run.trainer.max_restarts, run.trainer.restart_backoff_s, run_dir)
     started, first_resume = time.time(), resume_from
     start_of_data = train_loader.state_dict()  # what a restart without a checkpoint starts from
-    attempt = _Attempt(
+    parts = RunParts(
         run,
         context,
         reward_fn,
@@ -349,6 +350,7 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
         checkpoints,
         n_params=count_parameters(arch).active,  # per-token compute (MoE: the routed experts only)
     )
+    attempt = _Attempt(parts)
     try:
         if judge is not None:  # the LLM judge's engine, in the driver or on its own Ray pool
             judge.start()
@@ -397,35 +399,19 @@ class _Attempt:
     """One try at the run: the worker groups built, the trainer resumed and run, the groups
     stopped. A failure leaves ``step`` at the step it struck (for ``recovery/steps_lost``)."""
 
-    def __init__(
-        self,
-        run,
-        context,
-        reward_fn,
-        val_reward_fn,
-        train_loader,
-        val_loader,
-        tokenizer,
-        tracker,
-        checkpoints,
-        n_params: int,
-    ):
-        self.run_cfg, self.context = run, context
-        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
-        self.train_loader, self.val_loader = train_loader, val_loader
-        self.tokenizer, self.tracker, self.checkpoints = tokenizer, tracker, checkpoints
-        self.n_params = n_params
+    def __init__(self, parts: RunParts):
+        self.parts = parts
         self.step = 0
         self.stopped: StopTraining | None = None
 
     def run(self, resume_from: Path | None, first_step_metrics: dict[str, Any]) -> list[dict[str, Any]]:
         from rlhf_megatron.trainer.ppo_trainer import PPOTrainer
 
-        run = self.run_cfg
-        self.step = self.checkpoints.step_of(resume_from) if resume_from is not None else 0
+        run, context = self.parts.run, self.parts.context
+        self.step = self.parts.checkpoints.step_of(resume_from) if resume_from is not None else 0
         pools, groups, trainer, failed = [], None, None, True
         try:
-            pools, groups, sync_address = _worker_groups(run, self.context)
+            pools, groups, sync_address = _worker_groups(run, context)
             _arm_step_deadline(run, groups.values())
             interrupts = None
             if run.trainer.partial_rollout and sync_address is not None:
@@ -435,27 +421,18 @@ class _Attempt:
             # A rollout pool's engines restart alone (the trainer's workers keep going); partial
             # rollout's interrupt signal lives on the first sync address, so it restarts the run.
             restart_rollout = (
-                None if interrupts is not None else _rollout_restarter(run, self.context, pools, groups)
+                None if interrupts is not None else _rollout_restarter(run, context, pools, groups)
             )
-            trainer = PPOTrainer(
-                run,
-                self.context,
+            roles = RoleGroups(
                 actor=groups["actor"],
-                rollout=groups.get("rollout"),
-                interrupts=interrupts,
                 critic=groups.get("critic"),
                 reward_model=groups.get("reward_model"),
-                reward_fn=self.reward_fn,
-                val_reward_fn=self.val_reward_fn,
-                train_loader=self.train_loader,
-                val_loader=self.val_loader,
-                tokenizer=self.tokenizer,
-                tracker=self.tracker,
-                n_params=self.n_params,
-                checkpoints=self.checkpoints,
-                resume_from=resume_from,
-                first_step_metrics=first_step_metrics,
+                rollout=groups.get("rollout"),
+                interrupts=interrupts,
                 restart_rollout=restart_rollout,
+            )
+            trainer = PPOTrainer(
+                self.parts, roles, resume_from=resume_from, first_step_metrics=first_step_metrics
             )
             try:
                 history = trainer.fit()

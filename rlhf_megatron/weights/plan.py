@@ -60,7 +60,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import (
     expert_owner,
     is_expert_param,
@@ -71,6 +70,7 @@ from rlhf_megatron.models.spec import (
     tp_partition_dim,
     tp_shard_slices,
 )
+from rlhf_megatron.planning.model_arch import ModelArch
 
 LOAD_FORMATS = ("hf", "sharded")
 

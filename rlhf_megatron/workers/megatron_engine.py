@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
 from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.data.balance import balance_partitions
@@ -45,6 +44,7 @@ from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
 from rlhf_megatron.models.forward import model_forward
 from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode
 from rlhf_megatron.models.routing_replay import RoutingReplay
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.platform.fused_adam import fuse_torch_adam
 
 

@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 
 from rlhf_megatron.agent import BaseTool, ToolResponse
 from rlhf_megatron.agent.loop import ToolAgentLoop, Trajectory
-from rlhf_megatron.config import ConfigError, load_config
+from rlhf_megatron.config import ConfigError
 from rlhf_megatron.data import RLHFDataset
 from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
+from rlhf_megatron.planning import load_config
 from rlhf_megatron.trainer.run import _check_agent_rows
 
 CALC = "rlhf_megatron.agent.tools.calculator.CalculatorTool"

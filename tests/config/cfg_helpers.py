@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_megatron.config import load_config
+from rlhf_megatron.planning import load_config
 
 # A 4-layer GQA model: 4 query heads, 2 KV heads.
 TINY_ARCH = [

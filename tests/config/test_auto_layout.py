@@ -1,4 +1,4 @@
-"""``parallelism: auto`` (``config/auto_layout.py``, ``config/cost_model.py``): the loader takes ``auto``
+"""``parallelism: auto`` (``planning/auto_layout.py``, ``planning/cost_model.py``): the loader takes ``auto``
 out of the typed merge and writes numbers back; the search keeps explicit sizes, picks the fastest
 predicted layout that fits, and says what would fit when none does."""
 
@@ -8,9 +8,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlhf_megatron.cli import plan_main
-from rlhf_megatron.config import ConfigError, load_config
-from rlhf_megatron.config.auto_layout import follower_keys, resolve_auto, search_layouts, take_auto
-from rlhf_megatron.config.cost_model import CostConstants, load_constants, phase_features, predict_step
+from rlhf_megatron.config import ConfigError
+from rlhf_megatron.config.auto_keys import follower_keys, take_auto
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.auto_layout import resolve_auto, search_layouts
+from rlhf_megatron.planning.cost_model import CostConstants, load_constants, phase_features, predict_step
 
 A = "actor_rollout_ref."
 ACTOR_TP = A + "actor.megatron.tensor_model_parallel_size"
@@ -161,7 +163,7 @@ def test_plan_auto_prints_the_ranking(capsys):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_stored_constants_price_every_feature_group(device):
-    from rlhf_megatron.config.cost_model import FEATURES
+    from rlhf_megatron.planning.cost_model import FEATURES
 
     seconds = load_constants(device).seconds
     assert set(seconds) == set(FEATURES)

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rlhf_megatron.config import load_config
-from rlhf_megatron.config.auto_layout import LAYOUT_KEYS, describe_values
+from rlhf_megatron.config.auto_keys import LAYOUT_KEYS
 from rlhf_megatron.config.presets import CONFIGS_DIR, read_preset_layers
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.auto_layout import describe_values
 
 ROOT = CONFIGS_DIR.parent
 MODELS = CONFIGS_DIR / "models"

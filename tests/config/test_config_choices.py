@@ -12,8 +12,9 @@ from cfg_helpers import VALID, make_cfg
 from omegaconf import OmegaConf
 
 from rlhf_megatron import choices
-from rlhf_megatron.config import ConfigError, load_config, schema_keys
+from rlhf_megatron.config import ConfigError, schema_keys
 from rlhf_megatron.config.loader import save_resolved_config
+from rlhf_megatron.planning import load_config
 
 # Enum -> (one key typed with it, its message for the value 'bogus')
 ENUM_CASES = {

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_megatron import train
-from rlhf_megatron.config import ConfigError, IgnoredKeysWarning, load_config
+from rlhf_megatron.config import ConfigError, IgnoredKeysWarning
+from rlhf_megatron.planning import load_config
 
 SEED_CONFIG = Path(__file__).parent / "data" / "easyr1_seed003_config.yaml"
 SYSTEM_PROMPT = (

@@ -10,8 +10,9 @@ import pytest
 from cfg_helpers import VALID, make_cfg
 from omegaconf import OmegaConf
 
-from rlhf_megatron.config import ConfigError, IgnoredKeysWarning, RunConfig, load_config, parse_overrides
+from rlhf_megatron.config import ConfigError, IgnoredKeysWarning, RunConfig, parse_overrides
 from rlhf_megatron.config.loader import RESOLVED_CONFIG_NAME, save_resolved_config
+from rlhf_megatron.planning import load_config
 
 
 def _write(path: Path, text: str) -> Path:

@@ -12,8 +12,9 @@ import pytest
 import torch
 from cfg_helpers import make_cfg
 
-from rlhf_megatron.config import ConfigError, validate_config
+from rlhf_megatron.config import ConfigError
 from rlhf_megatron.config.schema_model import LoraConfig
+from rlhf_megatron.planning import validate_config
 
 M = "actor_rollout_ref.model"
 

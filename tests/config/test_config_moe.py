@@ -9,11 +9,11 @@ import pytest
 from cfg_helpers import MOE_ARCH, make_cfg
 
 from rlhf_megatron import cli
-from rlhf_megatron.config import ConfigError, load_config
-from rlhf_megatron.config.arch import arch_for_role, count_parameters
-from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
-from rlhf_megatron.config.planner import _stage_params, format_plan, plan_memory
-from rlhf_megatron.config.validate import validate_config
+from rlhf_megatron.config import ConfigError
+from rlhf_megatron.planning import load_config, validate_config
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters
+from rlhf_megatron.planning.memory import _stage_params, format_plan, plan_memory
+from rlhf_megatron.planning.model_arch import ModelArch, UnsupportedModelError
 
 # Published sizes (model cards): total, active per token, and Qwen's "non-embedding" totals.
 PUBLISHED = {

@@ -8,10 +8,11 @@ import pytest
 from cfg_helpers import make_cfg
 
 from rlhf_megatron import cli
-from rlhf_megatron.config import ConfigError, load_config
-from rlhf_megatron.config.arch import arch_for_role, count_parameters
-from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.planner import (
+from rlhf_megatron.config import ConfigError
+from rlhf_megatron.config.presets import CONFIGS_DIR
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters
+from rlhf_megatron.planning.memory import (
     GIB,
     ROLLOUT_POOL,
     TRAINER_POOL,
@@ -19,7 +20,7 @@ from rlhf_megatron.config.planner import (
     format_plan,
     plan_memory,
 )
-from rlhf_megatron.config.presets import CONFIGS_DIR
+from rlhf_megatron.planning.model_arch import ModelArch
 
 MODEL_PRESETS = sorted(
     p.relative_to(CONFIGS_DIR).as_posix()
@@ -211,8 +212,8 @@ def test_sdpa_attention_keeps_no_scores_and_no_repeated_kv():
 
 
 def test_logits_and_their_gradients_with_chunked_loss_functions():
-    from rlhf_megatron.config.planner import LOSS_CHUNK_BYTES
     from rlhf_megatron.models.forward import CHUNK_ELEMENTS
+    from rlhf_megatron.planning.memory import LOSS_CHUNK_BYTES
 
     assert LOSS_CHUNK_BYTES == 4 * 4 * CHUNK_ELEMENTS  # the planner knows the loss functions' block
     actor = _actor()

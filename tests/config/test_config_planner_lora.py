@@ -7,8 +7,9 @@ import pytest
 from cfg_helpers import MOE_ARCH, make_cfg
 
 from rlhf_megatron import cli
-from rlhf_megatron.config import ConfigError, load_config
-from rlhf_megatron.config.planner import GIB, TRAINER_POOL, format_plan, plan_memory, transformer_impl
+from rlhf_megatron.config import ConfigError
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.memory import GIB, TRAINER_POOL, format_plan, plan_memory, transformer_impl
 
 # GRPO with a KL loss (so the reference runs) on the tiny arch of cfg_helpers: 4 layers, hidden
 # 256, 4 query heads and 2 KV heads of 64, ffn 512; TP2 x DP4, bf16, distributed optimizer,

@@ -8,10 +8,10 @@ import warnings
 import pytest
 from omegaconf import OmegaConf
 
-from rlhf_megatron.config import load_config
-from rlhf_megatron.config.arch import arch_for_role
 from rlhf_megatron.config.presets import CONFIGS_DIR, list_presets, read_preset_layers
 from rlhf_megatron.config.validate import ArchUnknownWarning
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.arch import arch_for_role
 
 PRESETS = [p.relative_to(CONFIGS_DIR).as_posix() for p in list_presets()]
 SEARCHED = [p for p in PRESETS if p.endswith("_auto.yaml") and p.startswith("models/")]

@@ -8,9 +8,10 @@ import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from rlhf_megatron.config import RunConfig, field_docs, load_config, schema_keys
+from rlhf_megatron.config import RunConfig, field_docs, schema_keys
 from rlhf_megatron.config.keys import IGNORED_KEYS, RENAMED_KEYS, schema_dataclasses
 from rlhf_megatron.config.schema_roles import CriticModelConfig
+from rlhf_megatron.planning import load_config
 
 
 def test_every_field_of_every_section_has_a_docstring():

@@ -17,8 +17,9 @@ from cfg_helpers import write_hf_config
 from omegaconf import OmegaConf
 
 from rlhf_megatron import cli, train
-from rlhf_megatron.config import RunConfig, load_config
+from rlhf_megatron.config import RunConfig
 from rlhf_megatron.config.loader import RESOLVED_CONFIG_NAME
+from rlhf_megatron.planning import load_config
 
 SEED_ARGS = [
     "data.train_files=$DATA_DIR/train.parquet",

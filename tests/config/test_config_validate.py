@@ -15,12 +15,11 @@ from rlhf_megatron.config import (
     MegatronConfig,
     RolloutConfig,
     RunConfig,
-    load_config,
     roles,
-    validate_config,
 )
-from rlhf_megatron.config import validate as V
 from rlhf_megatron.config.keys import schema_dataclasses
+from rlhf_megatron.planning import load_config, validate_config
+from rlhf_megatron.planning import validate as V
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -456,7 +455,7 @@ def test_rule_reports_its_problem(rule, tmp_path):
     if callable(overrides):
         overrides = overrides(tmp_path)
     cfg = make_cfg(*overrides)
-    direct = rule(V.ValidationContext.build(cfg))
+    direct = rule(V.build_context(cfg))
     for text in expected:
         assert any(text in message for message in direct), f"{text!r} not in {direct}"
     # validate_config reports the same messages in its one ConfigError.
@@ -625,7 +624,7 @@ def test_rollout_correction_is_valid_with_either_engine(level, engine):
 def _with_engine(engine: str, *overrides: str) -> V.ValidationContext:
     """A context whose rollout engine is ``engine``: every engine the schema accepts (vllm, hf)
     returns log-probs, so one that does not can only be written into the typed config."""
-    ctx = V.ValidationContext.build(make_cfg(*overrides))
+    ctx = V.build_context(make_cfg(*overrides))
     ctx.run.actor_rollout_ref.rollout.name = engine
     return ctx
 

@@ -8,10 +8,10 @@ import copy
 import pytest
 
 from rlhf_megatron import cli
-from rlhf_megatron.config import load_config
-from rlhf_megatron.config.arch import arch_for_role, count_parameters
-from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.planner import _stage_params
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters
+from rlhf_megatron.planning.memory import _stage_params
+from rlhf_megatron.planning.model_arch import ModelArch
 
 # Qwen/Qwen2.5-VL-7B-Instruct config.json, as released (the hub's layout).
 QWEN2_5_VL_7B = {

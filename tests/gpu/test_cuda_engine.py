@@ -47,9 +47,9 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, dtype="bfloat16", lr=None, distributed_optimizer=True):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.workers.megatron_engine import MegatronEngine
 
     return MegatronEngine(

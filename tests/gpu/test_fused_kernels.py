@@ -42,8 +42,8 @@ def _model(causal_rows: int | None, fuse_swiglu: bool):
 
 def _arch():
     """A tiny Llama with grouped KV heads (4 query / 2 KV), head dim 64."""
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.tiny import build_tiny_hf_model
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     model, _ = build_tiny_hf_model(
         "llama", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, ffn_hidden_size=512

@@ -14,7 +14,6 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from rlhf_megatron.config import load_config
 from rlhf_megatron.config.presets import CONFIGS_DIR
 from rlhf_megatron.launch.common import load_run
 from rlhf_megatron.launch.k8s import (
@@ -25,6 +24,7 @@ from rlhf_megatron.launch.k8s import (
     pod_templates,
     retry_caveat,
 )
+from rlhf_megatron.planning import load_config
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 K8S_VERSION = "1.30"  # a version kubernetes-validate ships schemas for, offline

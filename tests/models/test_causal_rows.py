@@ -65,8 +65,8 @@ def test_packed_segments_short_windows_small_micro_batches_and_plain_chunks_keep
 
 
 def _arch():
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.tiny import build_tiny_hf_model
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     model, _ = build_tiny_hf_model(
         "llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, ffn_hidden_size=256

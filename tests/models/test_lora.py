@@ -23,7 +23,7 @@ REL_TOL = 1e-4
 
 
 def _arch(family="qwen2", **overrides):
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     return ModelArch.from_hf_config(tiny_hf.hf_config(family, **overrides).to_dict())
 
@@ -67,7 +67,7 @@ def test_targets_the_model_does_not_have_are_named(lora, message):
 
 
 def test_moe_experts_are_left_out_by_all_linear_and_refused_by_name(tmp_path):
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     from . import tiny_moe
 
@@ -118,7 +118,6 @@ def _peft_case(tmp_path):
 def _forward_layouts(rank, world, hf_dir, adapter_dir, batch):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.forward import forward_logits_or_values
     from rlhf_megatron.models.loader import load_hf_weights
@@ -131,6 +130,7 @@ def _forward_layouts(rank, world, hf_dir, adapter_dir, batch):
         resolve_targets,
     )
     from rlhf_megatron.models.lora_io import read_peft_adapter
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
 
     arch = ModelArch.from_hf_dir(hf_dir)
@@ -192,12 +192,12 @@ def test_every_layout_computes_pefts_logits_and_exports_pefts_tensors(tmp_path):
 
 
 def _train(rank, world, hf_dir, tp, pp, sp):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.forward import vocab_parallel_log_probs
     from rlhf_megatron.models.loader import unwrap_model
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 
@@ -284,12 +284,12 @@ def test_adapter_training_steps_alike_in_every_layout(tmp_path, tp, pp, sp):
 def _moe_forward(rank, world, hf_dir, adapter_dir, batch):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.forward import forward_logits_or_values
     from rlhf_megatron.models.loader import load_hf_weights
     from rlhf_megatron.models.lora import attach_lora, load_full_adapter_tensors
     from rlhf_megatron.models.lora_io import read_peft_adapter
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
 
     arch = ModelArch.from_hf_dir(hf_dir)
@@ -345,11 +345,11 @@ def test_attention_adapters_on_a_moe_model_compute_pefts_logits_at_every_ep(tmp_
 
 
 def _train_bf16(rank, world, hf_dir):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.loader import unwrap_model
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 

@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import (
     DictTensorSource,
     SpecError,
@@ -17,6 +16,7 @@ from rlhf_megatron.models.spec import (
     mcore_to_hf,
     split_tp_shard,
 )
+from rlhf_megatron.planning.model_arch import ModelArch
 
 QWEN2_MOE = dict(
     architectures=["Qwen2MoeForCausalLM"],

@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.models.multimodal import (
     check_pixel_values,
     images_per_row,
@@ -32,6 +31,7 @@ from rlhf_megatron.models.spec import (
 )
 from rlhf_megatron.models.tiny import make_tiny_qwen2_5_vl
 from rlhf_megatron.models.vision import vision_layout
+from rlhf_megatron.planning.model_arch import ModelArch, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_both_config_layouts_give_one_arch_and_json_round_trips(tiny, family):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 def test_parameter_count_is_the_checkpoints_exactly(tiny, family):
-    from rlhf_megatron.config.arch import count_parameters
+    from rlhf_megatron.planning.arch import count_parameters
 
     arch, state, _ = tiny[family]
     count = count_parameters(arch)

@@ -15,7 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_megatron.config import ConfigError, load_config
+from rlhf_megatron.config import ConfigError
+
+# --------------------------------------------------------------------------- config
+from rlhf_megatron.planning import load_config
 
 # --------------------------------------------------------------------------- config
 CONFIG_CASES = [
@@ -347,7 +350,7 @@ def _edit_config(path, **change):
 
 
 def _hf_unsupported_arch(tmp, model):
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     m = _copy_model(tmp, model)
     _edit_config(m, architectures=["FalconForCausalLM"], model_type="falcon")
@@ -355,7 +358,7 @@ def _hf_unsupported_arch(tmp, model):
 
 
 def _hf_missing_config(tmp, model):
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     m = _copy_model(tmp, model)
     (m / "config.json").unlink()
@@ -372,7 +375,7 @@ def _hf_missing_shard(tmp, model):
 
 
 def _hf_tokenizer_larger_than_vocab(tmp, model):
-    from rlhf_megatron.config.model_arch import ModelArch
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.trainer.run import check_tokenizer_fits_model
 
     tok = _tokenizer(model)

@@ -105,7 +105,7 @@ def test_workers_then_the_driver_killed_are_reported_and_each_resume_matches(
     the uninterrupted run's."""
     run = tmp_path / "run"
     # Worker fault points count the updates of their process: a resumed run's second is step 3.
-    deaths = [("gen:2:0", 0, "generate_sequences", [1]), ("sync:2:1", 1, "sync_weights", [1, 2])]
+    deaths = [("gen:2:0", 0, "generate_sequences", [1]), ("sync:2:1", 1, "update_weights", [1, 2])]
     for fault, rank, method, logged in deaths:
         start, shm_before = time.monotonic(), shm_names()
         proc, records = run_train(

@@ -31,10 +31,10 @@ def tiny(tmp_path_factory):
 
 
 def _nan_step(rank, world, model, tp):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import (
         MegatronEngine,

@@ -44,7 +44,7 @@ def test_the_roles_declare_what_the_trainer_relies_on():
         (ActorRolloutRefWorker, "compute_log_prob"): dp,
         (ActorRolloutRefWorker, "compute_ref_log_prob"): dp,
         (ActorRolloutRefWorker, "update_actor"): dp,
-        (ActorRolloutRefWorker, "sync_weights"): DispatchSpec(Dispatch.RANK0),
+        (ActorRolloutRefWorker, "update_weights"): DispatchSpec(Dispatch.RANK0),
         (ActorRolloutRefWorker, "send_weights"): DispatchSpec(Dispatch.RANK0),
         (ActorRolloutRefWorker, "save_checkpoint"): DispatchSpec(Dispatch.ALL),
         (ActorRolloutRefWorker, "node_info"): DispatchSpec(Dispatch.RANK0),

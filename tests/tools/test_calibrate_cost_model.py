@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_megatron.config import load_config
-from rlhf_megatron.config.cost_model import phase_features
+from rlhf_megatron.planning import load_config
+from rlhf_megatron.planning.cost_model import phase_features
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "calibrate_cost_model.py"
 

@@ -46,9 +46,9 @@ def name_captured(engine, captured) -> dict[str, torch.Tensor]:
 
 
 def build_actor(hf_dir, tp, pp, ep=1, etp=None):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel
 
     info = init_model_parallel(tp, pp, seed=0, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)

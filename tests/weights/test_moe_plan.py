@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import expected_hf_shapes, expert_owner, local_to_global_expert
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.weights import TrainLayout, build_sync_plan
 
 QWEN2_MOE = dict(

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import expected_hf_shapes
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.weights import TrainLayout, build_sync_plan
 from rlhf_megatron.weights.execute import _vllm_slice
 from rlhf_megatron.weights.plan import vllm_kv_heads_per_rank

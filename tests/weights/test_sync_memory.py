@@ -104,8 +104,8 @@ def model_dir(tmp_path_factory):
 
 
 def test_sync_peak_memory_is_one_bucket_not_the_model(model_dir):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.spec import expected_hf_shapes
+    from rlhf_megatron.planning.model_arch import ModelArch
 
     arch = ModelArch.from_hf_dir(model_dir)
     model_bytes = 4 * sum(_bench().numel(s) for s in expected_hf_shapes(arch).values())

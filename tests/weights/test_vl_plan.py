@@ -3,8 +3,8 @@ with the language model in the ``hf`` format, owned by pipeline stage 0."""
 
 import pytest
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.models.spec import expected_hf_shapes
+from rlhf_megatron.planning.model_arch import ModelArch
 from rlhf_megatron.weights import TrainLayout, build_sync_plan
 
 

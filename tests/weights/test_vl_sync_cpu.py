@@ -19,9 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 def _stream(rank, world_size, hf_dir, layouts, rollout_tp):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import ParallelGroups, init_model_parallel
     from rlhf_megatron.weights import CollectiveTransport, TrainLayout, WeightSyncer, build_sync_plan
 

@@ -31,11 +31,11 @@ def tiny(tmp_path_factory):
 
 
 def _round_trip(rank, world, model, tmp, dist_opt, steps_before_save):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.checkpoint import load_model_checkpoint, save_model_checkpoint
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 

@@ -30,10 +30,10 @@ def tiny(tmp_path_factory):
 
 
 def _train(rank, world, model, dist_opt):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 
@@ -70,11 +70,11 @@ def test_dp2_half_batches_equal_dp1_whole_batch(tiny, dist_opt):
 
 def _train_tp(rank, world, model, sequence_parallel):
     """Two steps of next-token loss at TP=world (the whole batch on every TP rank)."""
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.forward import vocab_parallel_log_probs
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 

@@ -55,12 +55,12 @@ def _rollout():
 
 
 def _run(rank, world, model, pack, sequence_parallel, attention_backend="local"):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.attention import SDPAttention
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.forward import vocab_parallel_log_probs
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import (
         MegatronEngine,
@@ -162,8 +162,8 @@ def test_packed_passes_at_tp2_with_sequence_parallelism_equal_tp1(tiny):
 
 
 def _sdpa_refuses_attention_dropout(rank, world, model):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
 
     init_model_parallel(world, 1, seed=1)

@@ -53,8 +53,8 @@ def test_reward_model_scores_match_transformers(models):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from rlhf_megatron.config import load_config
     from rlhf_megatron.config.context import RunContext
+    from rlhf_megatron.planning import load_config
     from rlhf_megatron.rollout.base import assemble_rollout
     from rlhf_megatron.scheduling import ResourcePool, WorkerGroup
     from rlhf_megatron.workers import RewardModelWorker

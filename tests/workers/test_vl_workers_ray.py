@@ -63,7 +63,7 @@ def local_ray():
 
 
 def _config(inputs, **extra):
-    from rlhf_megatron.config import load_config
+    from rlhf_megatron.planning import load_config
 
     overrides = [
         f"actor_rollout_ref.model.path={inputs['model']}",

@@ -47,7 +47,7 @@ def local_ray():
 
 
 def _config(model_path, world, **extra):
-    from rlhf_megatron.config import load_config
+    from rlhf_megatron.planning import load_config
 
     overrides = [
         f"actor_rollout_ref.model.path={model_path}",
@@ -212,10 +212,10 @@ def _single_process_values(model_path, batch):
 
 
 def _values_tp1(rank, world, model_path, batch):
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
     from rlhf_megatron.models.forward import forward_logits_or_values
     from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
 
     init_model_parallel(1, 1, seed=2)  # the critic's seed: megatron.seed (1) + trainer.seed (1)

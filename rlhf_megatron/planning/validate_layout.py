@@ -16,9 +16,9 @@ from __future__ import annotations
 from math import gcd
 from typing import TYPE_CHECKING
 
-from rlhf_megatron.config.arch import read_hf_config
-from rlhf_megatron.config.model_arch import ModelArch, UnsupportedModelError
 from rlhf_megatron.config.roles import ROLE_SECTIONS, rollout_world_size
+from rlhf_megatron.planning.arch import read_hf_config
+from rlhf_megatron.planning.model_arch import ModelArch, UnsupportedModelError
 
 if TYPE_CHECKING:
     from rlhf_megatron.config.validation_context import ValidationContext
@@ -141,7 +141,7 @@ def check_world_divisible(ctx: ValidationContext) -> list[str]:
 def check_context_parallel_backend(ctx: ValidationContext) -> list[str]:
     """Context parallelism runs in transformer-engine's attention only: megatron's local layers
     (CPU, ``transformer_impl=local``, or an actor with LoRA adapters) cannot split a sequence."""
-    from rlhf_megatron.config.planner import transformer_impl
+    from rlhf_megatron.planning.memory import transformer_impl
 
     out = []
     lora = ctx.run.actor_rollout_ref.model.lora_rank > 0

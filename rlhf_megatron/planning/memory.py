@@ -90,10 +90,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config import roles as roles_mod
-from rlhf_megatron.config.arch import arch_for_role, count_parameters
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.model_arch import ModelArch
-from rlhf_megatron.config.planner_lora import AdapterPlan, adapter_plan
 from rlhf_megatron.config.roles import (
     ACTOR_TRAIN_MICRO,
     CRITIC_TRAIN_MICRO,
@@ -102,6 +99,9 @@ from rlhf_megatron.config.roles import (
     data_parallel_size,
     megatron_section,
 )
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters
+from rlhf_megatron.planning.memory_lora import AdapterPlan, adapter_plan
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "GIB",

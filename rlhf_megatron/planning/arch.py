@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_megatron.config.model_arch import HeadKind, ModelArch, VisionArch
+from rlhf_megatron.planning.model_arch import HeadKind, ModelArch, VisionArch
 
 __all__ = ["ParamCount", "arch_for_role", "count_parameters", "count_vision_parameters", "read_hf_config"]
 

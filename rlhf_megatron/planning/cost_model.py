@@ -44,8 +44,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config import roles as roles_mod
-from rlhf_megatron.config.arch import arch_for_role, count_parameters
 from rlhf_megatron.config.presets import CONFIGS_DIR
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters
 
 __all__ = [
     "COST_MODEL_DIR",

@@ -17,8 +17,8 @@ import os
 import re
 from pathlib import Path
 
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema_model import LORA_MODULES, LoraConfig
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
     "ADAPTER_CONFIG",

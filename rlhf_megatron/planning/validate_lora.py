@@ -21,7 +21,7 @@ MODEL = "actor_rollout_ref.model"
 def check_lora(ctx: ValidationContext) -> list[str]:
     """Target modules the model has (no MoE experts, no vision-language model), local layers, and
     a ``lora_adapter_path`` that is a PEFT adapter of this model."""
-    from rlhf_megatron.config.lora_targets import LoraTargetError, read_peft_adapter_config, resolve_targets
+    from rlhf_megatron.planning.lora_targets import LoraTargetError, read_peft_adapter_config, resolve_targets
 
     arc = ctx.run.actor_rollout_ref
     if not arc.model.lora_rank or arc.model.validate(MODEL):

@@ -24,8 +24,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config.errors import ConfigError
-from rlhf_megatron.config.model_arch import ModelArch
 from rlhf_megatron.config.schema_model import LoraConfig
+from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = ["COLUMN_PARTS", "AdapterPlan", "adapter_plan", "lora_config", "part_widths"]
 
@@ -123,7 +123,7 @@ def adapter_plan(cfg: DictConfig | Any, arch: ModelArch) -> AdapterPlan | None:
     lora = lora_config(cfg)
     if lora is None:
         return None
-    from rlhf_megatron.config.lora_targets import LoraTargetError, resolve_targets
+    from rlhf_megatron.planning.lora_targets import LoraTargetError, resolve_targets
 
     try:
         targets = resolve_targets(arch, lora, KEY)
