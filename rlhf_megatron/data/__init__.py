@@ -1,6 +1,6 @@
 """Data layer: the `Batch` container, the prompt dataset (verl's and EasyR1's layouts, text and
 images, from parquet/JSON files and local HF dataset directories), the resumable loader and
-sequence balancing. No Megatron, Ray or vLLM imports here (see ARCHITECTURE.md).
+sequence balancing. No Megatron, Ray or vLLM imports here (see docs/concepts/architecture.md).
 
 `rlhf_megatron.data.tokenizer` (tiny test tokenizers and processor), `.synthetic` (arith/countdown
 tasks), `.preprocess` (verl-row builders) and `.rope_index` (M-RoPE positions) are imported

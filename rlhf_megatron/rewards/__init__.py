@@ -1,9 +1,9 @@
 """Rewards: rule-based scorers by data source, EasyR1's math/r1v scores, custom reward functions,
 and the reward manager.
 
-No Megatron, Ray or vLLM imports (see ARCHITECTURE.md). The scorers and `registry` import no
-torch so that scoring worker processes (`pool`) start quickly; the torch-based manager names
-(`RewardManager`, `RewardFn`, `RewardResult`) are therefore loaded on first access.
+No Megatron, Ray or vLLM imports (see docs/concepts/architecture.md). The scorers and `registry`
+import no torch so that scoring worker processes (`pool`) start quickly; the torch-based manager
+names (`RewardManager`, `RewardFn`, `RewardResult`) are therefore loaded on first access.
 """
 
 from __future__ import annotations
