@@ -26,12 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rlhf_megatron.config import load_config  # noqa: E402
-from rlhf_megatron.config.auto_layout import describe_values  # noqa: E402
-from rlhf_megatron.config.cost_model import load_constants, predict_step  # noqa: E402
-from rlhf_megatron.config.planner import GIB, plan_memory  # noqa: E402
 from rlhf_megatron.config.presets import CONFIGS_DIR  # noqa: E402
 from rlhf_megatron.config.roles import world_size  # noqa: E402
+from rlhf_megatron.planning import load_config  # noqa: E402
+from rlhf_megatron.planning.auto_layout import describe_values  # noqa: E402
+from rlhf_megatron.planning.cost_model import load_constants, predict_step  # noqa: E402
+from rlhf_megatron.planning.memory import GIB, plan_memory  # noqa: E402
 
 MODELS = CONFIGS_DIR / "models"
 SUFFIX = "_auto"

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,9 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from train_runs import run_train, train_command  # noqa: E402
+from train_runs import ensure_tiny_model, run_train, train_command  # noqa: E402
 
-MODEL = ROOT / "outputs" / "tiny_model"
 OWN_POOL = [
     "actor_rollout_ref.hybrid_engine=false",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -153,13 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--slow-rollout-ms", type=int, default=0, help="--partial: stretch each engine step")
     args = parser.parse_args(argv)
-    if not (MODEL / "stamp.json").is_file():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_tiny_model.py")],
-            cwd=ROOT,
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+    ensure_tiny_model()
     names = [n for n in RUNS if not (args.no_colocated and n == "colocated")]
     if args.partial:
         names = list(PARTIAL_RUNS)

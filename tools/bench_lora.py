@@ -85,13 +85,13 @@ def _memory_rank(rank, world, model_dir, lora_rank):
 
     import torch
 
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.config.schema_model import LoraConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
     from rlhf_megatron.models.loader import unwrap_model
     from rlhf_megatron.models.lora import adapters_disabled
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import init_model_parallel
     from rlhf_megatron.workers.megatron_engine import MegatronEngine, split_micro_batches
 

@@ -51,9 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from train_runs import run_train, train_command  # noqa: E402
+from train_runs import TINY_MODEL, ensure_tiny_model, run_train, train_command  # noqa: E402
 
-MODEL, DATA = ROOT / "outputs" / "tiny_model", ROOT / "outputs" / "data" / "arith"
+MODEL, DATA = TINY_MODEL, ROOT / "outputs" / "data" / "arith"
 # The project's fastest configuration on 2 CPU cores: no tensor parallelism (its all-reduces
 # per layer cost more than they save on a model this small), data parallelism over both; the
 # plain DDP all-reduce instead of the distributed optimizer's reduce-scatter + all-gather (over
@@ -379,13 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         return 0
-    if not (MODEL / "stamp.json").is_file():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_tiny_model.py")],
-            cwd=ROOT,
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+    ensure_tiny_model()
     try:
         import trl  # noqa: F401
 

@@ -62,6 +62,9 @@ padded experts, so ``hf`` runs need that width to be a multiple of 32.
     .venv/bin/python tools/bench_weight_sync.py --tp 1 --layers 4 --profile 25   # small + cProfile of rank 0
     .venv/bin/python tools/bench_weight_sync.py --moe                    # Qwen3-MoE at EP 1 and 2, vs dense
     .venv/bin/python tools/bench_weight_sync.py --moe --ep 2 --load-format hf sharded
+
+Boundaries: the driver (flags, the runs, the per-rank body, the JSON); the checkpoints, the
+rank's actor and engine and the measuring are the library's (``tools/weight_sync_bench/``).
 """
 
 from __future__ import annotations
@@ -73,447 +76,34 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/weights/test_sync_memory.py loads this script and reaches set_malloc_mmap_threshold,
+# build_actor_and_engine, make_syncer, measure_sync, write_random_checkpoint and numel through it.
+from weight_sync_bench.checkpoints import (  # noqa: E402
+    DTYPES,
+    dense_ffn_for_params,
+    model_summary,
+    write_random_checkpoint,
+    write_random_moe_checkpoint,
+)
+from weight_sync_bench.checkpoints import numel as numel  # noqa: E402  (re-exported, see above)
+from weight_sync_bench.engines import build_actor_and_engine, make_syncer  # noqa: E402
+from weight_sync_bench.measuring import (  # noqa: E402
+    copy_bandwidth,
+    first_touch_bandwidth,
+    measure_sync,
+    set_malloc_mmap_threshold,
+)
+
 VLLM_CPU_MOE_ALIGNMENT = 32
 """vLLM 0.32's CPU MoE kernels pad each rank's expert width to a multiple of this (``cpu_moe.py``)."""
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-# -- the model -------------------------------------------------------------------------------------
-
-
-def write_random_checkpoint(
-    out_dir: str | Path,
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    ffn: int,
-    vocab: int,
-    dtype: str = "float32",
-    seed: int = 0,
-    shard_bytes: int = 2**30,
-) -> Path:
-    """A random Llama checkpoint (safetensors shards of ≤ ``shard_bytes``) plus the tiny tokenizer.
-
-    Tensors are drawn one at a time and written shard by shard, so building a
-    2 GB model needs about one shard of memory, not a transformers model in
-    memory plus its state dict.
-    """
-    tokenizer = _tokenizer(vocab)
-    sizes = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab)
-    config = llama_config(**sizes, dtype=dtype, tokenizer=tokenizer)
-    return _write_random_tensors(out_dir, config, tokenizer, dtype, seed, shard_bytes)
-
-
-def write_random_moe_checkpoint(
-    out_dir: str | Path,
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    experts: int,
-    top_k: int,
-    expert_ffn: int,
-    vocab: int,
-    dtype: str = "float32",
-    seed: int = 0,
-    shard_bytes: int = 2**30,
-) -> Path:
-    """A random Qwen3-MoE checkpoint (every layer sparse, one tensor per expert as the hub's are),
-    written like ``write_random_checkpoint``: one tensor at a time, shard by shard.
-
-    ``models.tiny.make_tiny_moe_model`` builds the same family through a transformers model in
-    memory; at ~500M parameters that costs several copies of the model, and its vocabulary is the
-    tokenizer's, so the benchmark writes its own.
-    """
-    import transformers
-
-    tokenizer = _tokenizer(vocab)
-    config = transformers.Qwen3MoeConfig(
-        architectures=["Qwen3MoeForCausalLM"],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=expert_ffn * experts,
-        moe_intermediate_size=expert_ffn,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-        decoder_sparse_step=1,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype,
-    )
-    return _write_random_tensors(out_dir, config, tokenizer, dtype, seed, shard_bytes)
-
-
-def llama_config(
-    *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, dtype: str, tokenizer=None
-):
-    """The transformers config of ``write_random_checkpoint``'s Llama (untied head, head_dim = hidden / heads)."""
-    import transformers
-
-    tokenizer = tokenizer or _tokenizer(vocab)
-    return transformers.LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype,
-    )
-
-
-def _tokenizer(vocab: int):
-    """The tiny tokenizer, checking that ``vocab`` has room for its tokens."""
-    from rlhf_megatron.data.tokenizer import build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    if vocab < len(tokenizer):
-        raise ValueError(f"--vocab {vocab} is smaller than the tiny tokenizer's {len(tokenizer)} tokens")
-    return tokenizer
-
-
-def _write_random_tensors(
-    out_dir: str | Path, config, tokenizer, dtype: str, seed: int, shard_bytes: int
-) -> Path:
-    """Save ``config``, ``tokenizer`` and N(0, 0.02) tensors (norms: 1) of every HF tensor ``config`` implies."""
-    import torch
-    from safetensors.torch import save_file
-
-    from rlhf_megatron.config.model_arch import ModelArch
-    from rlhf_megatron.models.spec import expected_hf_shapes
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-    torch_dtype = getattr(torch, dtype)
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    shapes = expected_hf_shapes(ModelArch.from_hf_config(config.to_dict()))
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = itemsize * numel(shape)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    files = [
-        "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        for i in range(len(shards))
-    ]
-    gen = torch.Generator().manual_seed(seed)
-    for names, file in zip(shards, files):
-        tensors = {}
-        for name in names:
-            t = torch.empty(shapes[name], dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            else:
-                t.normal_(0.0, 0.02, generator=gen)  # small init keeps the logits well-conditioned
-            tensors[name] = t.to(torch_dtype)
-        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
-        del tensors
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(itemsize * numel(s) for s in shapes.values())},
-            "weight_map": {n: f for names, f in zip(shards, files) for n in names},
-        }
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    return out_dir
-
-
-def numel(shape: Iterable[int]) -> int:
-    """Elements in a tensor of ``shape``."""
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def arch_params(arch) -> int:
-    """Parameters of ``arch``'s HF checkpoint (every tensor ``expected_hf_shapes`` lists)."""
-    from rlhf_megatron.models.spec import expected_hf_shapes
-
-    return sum(numel(s) for s in expected_hf_shapes(arch).values())
-
-
-def dense_ffn_for_params(
-    params: int, *, layers: int, hidden: int, heads: int, kv_heads: int, vocab: int
-) -> int:
-    """The FFN width (a multiple of 16) that gives ``write_random_checkpoint``'s Llama of these sizes
-    about ``params`` parameters: the MoE's experts and routers become one dense MLP per layer."""
-    from rlhf_megatron.config.model_arch import ModelArch
-
-    sizes = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab, dtype="float32")
-    base = arch_params(ModelArch.from_hf_config(llama_config(ffn=16, **sizes).to_dict()))
-    per_unit = 3 * hidden * layers  # gate, up and down rows/columns per FFN unit, over all layers
-    ffn = 16 + round((params - base) / per_unit / 16) * 16
-    if ffn < 16:
-        raise ValueError(
-            f"no dense Llama of these sizes has as few as {params} parameters "
-            "(attention and embeddings alone have more)"
-        )
-    return ffn
-
-
-# -- measurement helpers (also used by tests/weights/test_sync_memory.py) ----------------------------
-
-
-def set_malloc_mmap_threshold(nbytes: int) -> None:
-    """Make glibc serve every allocation of ``nbytes`` or more with its own mmap, unmapped on free.
-
-    By default glibc raises its mmap threshold as large blocks are freed (up
-    to 32 MiB) and keeps freed heap memory resident for reuse, so RSS counts
-    tensors that are already dead and grows with fragmentation. A fixed
-    threshold turns that off (``mallopt(M_MMAP_THRESHOLD)``), and RSS then
-    follows the live tensors. Call it early in a fresh process.
-    """
-    import ctypes
-
-    m_mmap_threshold = -3
-    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, int(nbytes)):
-        raise RuntimeError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
-
-
-def rss_bytes() -> int:
-    """This process's resident set size, from /proc (cheap enough to poll every millisecond)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class RssSampler:
-    """Peak resident memory above the value at ``__enter__``, polled on a background thread.
-
-    The thread only reads /proc between sleeps; heavy torch ops release the
-    GIL, so it keeps sampling while the sync copies tensors.
-    """
-
-    def __init__(self, interval_s: float = 0.002, tag=None):
-        self.interval_s = interval_s
-        self.tag = tag
-        """Optional callable; its value at the peak sample is kept as ``peak_tag`` (where the peak was)."""
-        self.peak_tag = None
-        self.baseline = 0
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def peak_extra(self) -> int:
-        return self.peak - self.baseline
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            rss = rss_bytes()
-            if rss > self.peak:
-                self.peak = rss
-                self.peak_tag = self.tag() if self.tag else None
-            self.samples += 1
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> RssSampler:
-        gc.collect()
-        self.baseline = self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-
-class TimedIterator:
-    """Wraps a (name, tensor) iterator and adds up the seconds spent producing its items (``own_s``).
-
-    Whatever the consumer does between items is not counted, so
-    ``wall − own_s`` is the consumer's (vLLM's) share.
-    """
-
-    def __init__(self, items: Iterable):
-        self._it = iter(items)
-        self.own_s = 0.0
-        self.count = 0
-        self.last_name: str | None = None
-        """Name of the last (name, tensor) pair handed out; only the name, so no tensor is kept alive."""
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        t0 = time.perf_counter()
-        try:
-            item = next(self._it)
-        finally:
-            self.own_s += time.perf_counter() - t0
-        self.count += 1
-        self.last_name = item[0]
-        return item
-
-
-def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5, barrier=None) -> float:
-    """Best memcpy bandwidth of ``dst.copy_(src)`` in bytes/s, counting the read and the write.
-
-    Both buffers are touched first so page faults are not timed. ``barrier``
-    (called before every repeat) lines the ranks up so they copy at once.
-    """
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
-
-
-def first_touch_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3, barrier=None) -> float:
-    """Bytes/s written into freshly allocated memory (page faults included), best of ``repeats``.
-
-    What any step pays that writes into new pages (vLLM re-materialising a
-    layer, a gather's output): buffers this large are mmap'ed and returned to
-    the OS on free, so every repeat faults its pages in again.
-    """
-    import torch
-
-    best = float("inf")
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        t0 = time.perf_counter()
-        buf = torch.empty(nbytes // 4, dtype=torch.float32)
-        buf.fill_(1.0)
-        best = min(best, time.perf_counter() - t0)
-        del buf
-    return nbytes / best
-
-
-def _retained(baseline: int) -> int:
-    """Resident memory still above ``baseline`` once the sync's garbage is collected."""
-    gc.collect()
-    return rss_bytes() - baseline
-
-
-def measure_sync(engine, syncer, sample_s: float = 0.002, profile: int = 0) -> dict:
-    """One ``engine.update_weights(syncer.iter_weights())``: seconds by phase and peak extra RSS."""
-    profiler = None
-    if profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-    stream = TimedIterator(syncer.iter_weights())
-    with RssSampler(sample_s, tag=lambda: stream.last_name) as rss:
-        t0 = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        engine.update_weights(stream)
-        if profiler:
-            profiler.disable()
-        total = time.perf_counter() - t0
-    out = {
-        "total_s": total,
-        "generator_s": stream.own_s,
-        "load_s": total - stream.own_s,
-        **{k: syncer.stats[k] for k in ("gather_s", "broadcast_s", "convert_s")},
-        "tensors": stream.count,
-        "rss_baseline_bytes": rss.baseline,
-        "peak_extra_bytes": rss.peak_extra,
-        "peak_after_tensor": rss.peak_tag,
-        "retained_bytes": _retained(rss.baseline),
-        "rss_samples": rss.samples,
-        "peak_bucket_bytes": int(syncer.stats["peak_bucket_bytes"]),
-    }
-    if profiler:
-        import io
-        import pstats
-
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
-        out["profile"] = text.getvalue()
-    return out
-
-
 # -- one rank ----------------------------------------------------------------------------------------
-
-
-def build_actor_and_engine(
-    hf_dir: str, tp: int, dtype: str, load_format: str, max_model_len: int = 64, ep: int = 1
-):
-    """This rank's Megatron actor (TP ``tp``, EP ``ep``, PP = 1) loaded from ``hf_dir``, and a vLLM
-    engine at TP = the world size (every rank holds every expert: vLLM's own expert parallelism is off)."""
-    import torch
-
-    from rlhf_megatron.config.model_arch import ModelArch
-    from rlhf_megatron.config.schema import RolloutConfig
-    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
-    from rlhf_megatron.models.loader import load_hf_weights
-    from rlhf_megatron.platform import ParallelGroups, init_model_parallel
-    from rlhf_megatron.rollout.vllm_engine import VLLMEngine
-
-    info = init_model_parallel(tp, 1, seed=0, expert_model_parallel_size=ep)
-    arch = ModelArch.from_hf_dir(hf_dir)
-    chunks = build_gpt_model(
-        arch,
-        ParallelConfig(tp, 1, expert_model_parallel_size=ep),
-        params_dtype=getattr(torch, dtype),
-        init_weights=False,
-    )
-    load_hf_weights(chunks, hf_dir, arch)
-    engine = VLLMEngine(
-        hf_dir,
-        RolloutConfig(dtype=dtype, max_num_seqs=1, load_format=load_format),
-        max_model_len=max_model_len,
-        tensor_parallel_size=torch.distributed.get_world_size(),
-    )
-    return arch, chunks, info, ParallelGroups.current(), engine
-
-
-def make_syncer(arch, chunks, info, groups, rollout_tp: int, load_format: str, bucket_bytes: int):
-    """This rank's syncer for ``load_format``, and the seconds ``build_sync_plan`` took."""
-    from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
-
-    dtype_bytes = next(chunks[0].parameters()).element_size()
-    t0 = time.perf_counter()
-    plan = build_sync_plan(arch, TrainLayout.of(info), rollout_tp, load_format, bucket_bytes, dtype_bytes)
-    plan_s = time.perf_counter() - t0
-    return WeightSyncer.of(plan, chunks, info, groups), plan_s
 
 
 def bench_rank(
@@ -634,39 +224,6 @@ def run_tp(
         "vllm_dtype": slowest["vllm_dtype"],
         "ranks": ranks,
     }
-
-
-def model_summary(model_dir: Path, dtype: str, build_s: float) -> dict:
-    """Sizes of the checkpoint in ``model_dir`` for the JSON (``bytes``: in ``dtype``)."""
-    from rlhf_megatron.config.model_arch import ModelArch
-
-    arch = ModelArch.from_hf_dir(model_dir)
-    params = arch_params(arch)
-    out = {
-        "architecture": arch.architecture,
-        "params": params,
-        "bytes": params * DTYPE_BYTES[dtype],
-        "dtype": dtype,
-        "layers": arch.num_layers,
-        "hidden": arch.hidden_size,
-        "heads": arch.num_attention_heads,
-        "kv_heads": arch.num_kv_heads,
-        "ffn": arch.ffn_hidden_size,
-        "vocab": arch.vocab_size,
-    }
-    if arch.moe is not None:
-        per_expert = 3 * arch.hidden_size * arch.moe.ffn_hidden_size
-        expert_params = per_expert * arch.moe.num_experts * len(arch.moe.moe_layers)
-        del out["ffn"]
-        out.update(
-            experts=arch.moe.num_experts,
-            top_k=arch.moe.top_k,
-            expert_ffn=arch.moe.ffn_hidden_size,
-            expert_params=expert_params,
-            active_params=params - expert_params + expert_params * arch.moe.top_k // arch.moe.num_experts,
-        )
-    out["build_s"] = round(build_s, 2)
-    return out
 
 
 def _build(model_dir: Path, write) -> float:

@@ -1,4 +1,4 @@
-"""Calibrate the layout search's cost model (``rlhf_megatron/config/cost_model.py``) on this machine.
+"""Calibrate the layout search's cost model (``rlhf_megatron/planning/cost_model.py``) on this machine.
 
     .venv/bin/python tools/calibrate_cost_model.py [--steps 15] [--rounds 2] [--layouts NAME ...]
                                                    [--from-runs] [--runs-dir DIR] [--out configs/cost_model/cpu.json]
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 from train_runs import run_train, train_command  # noqa: E402
 
-from rlhf_megatron.config.cost_model import COST_MODEL_DIR, FEATURES, PHASES, _group  # noqa: E402
+from rlhf_megatron.planning.cost_model import COST_MODEL_DIR, FEATURES, PHASES, _group  # noqa: E402
 
 # The quickstart's layouts measured (each also pins the micro-batches, so the runs differ only
 # where named). One vLLM engine per process at rollout TP 1, one engine over both at TP 2.
@@ -191,8 +191,8 @@ def run_features(run_dir: Path) -> dict[str, dict[str, float]]:
     """The cost model's features of a run, from the config it saved."""
     from omegaconf import OmegaConf
 
-    from rlhf_megatron.config import load_config
-    from rlhf_megatron.config.cost_model import phase_features
+    from rlhf_megatron.planning import load_config
+    from rlhf_megatron.planning.cost_model import phase_features
 
     overrides = json.loads((run_dir / "overrides.json").read_text())
     cfg = load_config("quickstart_cpu", ["parallelism=manual", *overrides])
@@ -343,7 +343,7 @@ def check(constants: Path, layouts: list[str], steps: int, warmup: int, rounds: 
     layout's config, as ``plan --auto`` ranks it) against fresh runs, ``rounds`` alternating
     rounds (each layout's measured step: the fastest of its rounds' medians). Reports both
     orders and how many pairs of layouts the prediction orders as measured."""
-    from rlhf_megatron.config.cost_model import CostConstants
+    from rlhf_megatron.planning.cost_model import CostConstants
 
     stored = CostConstants.from_json(constants)
     run_rounds(layouts, steps, rounds, runs_dir)

@@ -24,20 +24,17 @@ Pre-training uses the rest, in its own RNG order. RL's train prompts are every n
 (probe ones included), since ``(max_operand + 1) ** 2`` problems are all there are.
 
 Takes about a minute on this CPU machine (a local Ray, one megatron-core process) and is
-deterministic for a given seed and thread count. A second run with the same arguments finds the
-stamp and skips (``--force`` rebuilds); the output directory is written to a temporary sibling
-and renamed into place.
+deterministic for a given seed and thread count. Built once (``tools/tiny_build.py``): a second
+run with the same arguments finds the stamp and skips, ``--force`` rebuilds.
 
-Boundaries: the data, the probe and the evaluation (transformers' ``generate``); training is the
-SFT trainer's.
+Boundaries: the arithmetic problems, their probe and their scoring; training is the SFT
+trainer's, the stamp and the generation loop ``tiny_build.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import shutil
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 from rlhf_megatron.data.synthetic import make_arith_rows, make_arith_split
@@ -53,8 +49,8 @@ from rlhf_megatron.models.tiny import build_tiny_hf_model, build_tiny_moe_model
 from rlhf_megatron.rewards.arith import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
-from stamped_build import build_once  # noqa: E402
+import tiny_build  # noqa: E402
+from sft_probe import SEED_OFFSET, add_pretraining_flags, pretrain  # noqa: E402
 
 # Bump when the recipe changes in a way the arguments do not show, so old stamps stop matching.
 RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
@@ -72,12 +68,14 @@ class Example:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="outputs/tiny_model", help="model directory to write")
-    p.add_argument("--data-dir", default="outputs/data/arith", help="where train/test.parquet go")
-    p.add_argument("--seed", type=int, default=0, help="seeds the split, the init, SFT order and sampling")
-    p.add_argument("--train-size", type=int, default=2048, help="RL train prompts (repeats the pool)")
-    p.add_argument("--test-size", type=int, default=200, help="held-out prompts (validation)")
+    p = tiny_build.builder_parser(
+        __doc__,
+        out="outputs/tiny_model",
+        data_dir="outputs/data/arith",
+        train_size=2048,
+        test_size=200,
+        train_help="RL train prompts (repeats the pool)",
+    )
     p.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
     p.add_argument(
         "--arch",
@@ -88,47 +86,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=4, help="qwen3_moe: experts per sparse layer")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--ffn-hidden-size", type=int, default=512)
-    p.add_argument("--steps", type=int, default=300, help="most SFT steps (fewer when the target is hit)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument(
-        "--target-accuracy",
-        type=float,
-        default=0.2,
-        help="stop SFT at the first probe whose greedy accuracy reaches this; >1 disables early stop",
+    add_pretraining_flags(
+        p,
+        steps=300,
+        batch_size=64,
+        lr=5e-4,
+        target=(
+            "--target-accuracy",
+            0.2,
+            "stop SFT at the first probe whose greedy accuracy reaches this; >1 disables early stop",
+        ),
+        eval_every=5,
     )
-    p.add_argument("--eval-every", type=int, default=5, help="SFT steps between probe evaluations")
     p.add_argument("--probe-size", type=int, default=200, help="non-test problems for the early-stop probe")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="n for the sampled accuracy (as GRPO)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="generation budget (match the RL config)")
-    # One thread: these matmuls are too small to gain from two, and on a shared 2-core box two
-    # threads spin-wait on each other (measured: 4-10x the CPU time and wall time of one).
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
+    tiny_build.add_common_flags(p)
     return p.parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------- data
 def write_rl_data(args: argparse.Namespace) -> list[str]:
     """train/test.parquet through tools/data/arith.py, so the files are exactly what it writes."""
-    spec = importlib.util.spec_from_file_location("tools_data_arith", ARITH_TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    argv = [
-        "--output-dir",
-        str(args.data_dir),
-        "--train-size",
-        str(args.train_size),
-        "--test-size",
-        str(args.test_size),
-        "--seed",
-        str(args.seed),
-        "--max-operand",
-        str(args.max_operand),
-    ]
-    # The tool reports on stdout; ours must carry only the JSON result.
-    with contextlib.redirect_stdout(sys.stderr):
-        return module.main(argv)
+    arith = tiny_build.load_script("tools_data_arith", ARITH_TOOL)
+    split = (args.data_dir, args.train_size, args.test_size, args.seed)
+    return tiny_build.write_split(arith, *split, "--max-operand", str(args.max_operand))
 
 
 def split_problems(args: argparse.Namespace) -> tuple[list[dict], list[dict], list[dict]]:
@@ -190,25 +172,12 @@ def evaluate(
     nonzero GRPO advantage).
     """
     model.eval()
-    pad_id = tokenizer.pad_token_id
-    width = max(len(e.prompt_ids) for e in examples)
     rows = [e for e in examples for _ in range(n)]
-    # Left padding puts every prompt's last token at the same column, as generate expects.
-    input_ids = torch.tensor([[pad_id] * (width - len(e.prompt_ids)) + e.prompt_ids for e in rows])  # (B, P)
-    attention_mask = (
-        torch.arange(width) >= torch.tensor([width - len(e.prompt_ids) for e in rows])[:, None]
-    ).long()
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
     torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **sampling,
-    )  # (B, P + new)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    new = tiny_build.generate(
+        model, tokenizer, [e.prompt_ids for e in rows], max_new_tokens=max_new_tokens, sample=sample
+    )
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     scores = torch.tensor([compute_score(t, e.answer) for t, e in zip(texts, rows)]).view(len(examples), n)
     integers = sum(t.strip().lstrip("-").isdigit() for t in texts)
     model.train()
@@ -235,16 +204,7 @@ def probe_accuracy(tokenizer, probe: list[Example], args):
 def build(args: argparse.Namespace, out_dir: Path) -> dict:
     """Train the policy, save it to ``out_dir`` and return the result record."""
     start = time.perf_counter()
-    shape = dict(
-        num_layers=args.num_layers,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,  # TP=2 gives each rank 2 query heads and 1 KV head
-        head_dim=64,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
-        seed=args.seed,
-    )
+    shape = dict(num_layers=args.num_layers, **tiny_build.POLICY_SHAPE, seed=args.seed)
     if args.arch == "qwen3_moe":
         # Every layer sparse: experts of half the dense width, two per token (the same active size).
         model, tokenizer = build_tiny_moe_model(
@@ -256,17 +216,11 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
         )
     else:
         model, tokenizer = build_tiny_hf_model(arch="llama", ffn_hidden_size=args.ffn_hidden_size, **shape)
-    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
-    scratch = out_dir / "_pretraining"
     pool_rows, probe_rows, test_rows = split_problems(args)
     probe, test = encode(tokenizer, probe_rows), encode(tokenizer, test_rows)
-    steps, curve, export = pretrain(
-        args,
-        save_base(model, tokenizer, scratch),
-        write_sft_rows(pool_rows, scratch / "sft" / "train.parquet"),
-        probe_accuracy(tokenizer, probe, args),
-        scratch,
-    )
+    scratch = out_dir / "_pretraining"  # removed before out_dir is published
+    rows, probe_fn = functools.partial(write_sft_rows, pool_rows), probe_accuracy(tokenizer, probe, args)
+    steps, curve, export = pretrain(args, model, tokenizer, scratch, rows, probe_fn)
     model = AutoModelForCausalLM.from_pretrained(export)
 
     greedy = evaluate(model, tokenizer, test, seed=args.seed, max_new_tokens=args.max_new_tokens)
@@ -279,9 +233,7 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
     )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    shutil.rmtree(scratch)
+    tiny_build.publish(model, tokenizer, out_dir, scratch)
     return {
         "out": str(args.out),
         "data_dir": str(args.data_dir),
@@ -301,18 +253,7 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    # Progress bars would be the only other output; stdout carries one JSON object.
-    transformers.utils.logging.disable_progress_bar()
-    return build_once(
-        "make_tiny_model",
-        args,
-        RECIPE_VERSION,
-        build,
-        data_present=lambda: all((Path(args.data_dir) / f"{s}.parquet").is_file() for s in ("train", "test")),
-        write_data=lambda: write_rl_data(args),
-    )
+    return tiny_build.run_builder("make_tiny_model", parse_args(argv), RECIPE_VERSION, build, write_rl_data)
 
 
 if __name__ == "__main__":

@@ -34,29 +34,26 @@ Token in, token out: the tokenizer has single tokens for ``<tool_call>``, ``</to
 whole trajectory (call, tool turn, answer) is about 25 tokens.
 
 Data hygiene: the test split (RL validation) is never trained on, nor is the probe used for
-early stopping. A second run with the same arguments finds the stamp and skips (``--force``
-rebuilds); the output directory is written to a temporary sibling and renamed into place.
-Takes a few minutes on this CPU machine (a local Ray, one megatron-core process).
+early stopping. Built once (``tools/tiny_build.py``): a second run with the same arguments skips,
+``--force`` rebuilds. Takes a few minutes on this CPU machine (a local Ray, one megatron-core
+process).
 
-Boundaries: the transcripts, the probe and the evaluation (transformers' ``generate``, the real
-calculator); training is the SFT trainer's.
+Boundaries: the transcripts, the probe and the two-turn evaluation (with the real calculator);
+training is the SFT trainer's, the stamp and the generation loop ``tiny_build.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
+import functools
 import json
 import random
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 from rlhf_megatron.agent.loop import render_turn_ids
@@ -65,8 +62,8 @@ from rlhf_megatron.models.tiny import build_tiny_hf_model
 from rlhf_megatron.rewards.tool_mult import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
-from stamped_build import build_once  # noqa: E402
+import tiny_build  # noqa: E402
+from sft_probe import SEED_OFFSET, add_pretraining_flags, pretrain  # noqa: E402
 
 RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
 TOOLS = Path(__file__).resolve().parent
@@ -82,27 +79,17 @@ TOOL_WORDS = (
     CALL_TAIL,
     "What is ",
 )
-
-
-def _load_tool(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-tool_mult = _load_tool("tools_data_tool_mult", TOOLS / "data" / "tool_mult.py")
-base = _load_tool("tools_make_tiny_model", TOOLS / "make_tiny_model.py")
+tool_mult = tiny_build.load_script("tools_data_tool_mult", TOOLS / "data" / "tool_mult.py")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="outputs/tiny_tool_model", help="model directory to write")
-    p.add_argument("--data-dir", default="outputs/data/tool_mult", help="where train/test.parquet go")
-    p.add_argument("--seed", type=int, default=0, help="seeds the split, the init, SFT order and sampling")
-    p.add_argument("--train-size", type=int, default=2048, help="RL train prompts")
-    p.add_argument("--test-size", type=int, default=200, help="held-out prompts (validation)")
+    p = tiny_build.builder_parser(
+        __doc__,
+        out="outputs/tiny_tool_model",
+        data_dir="outputs/data/tool_mult",
+        train_size=2048,
+        test_size=200,
+    )
     p.add_argument("--probe-size", type=int, default=128, help="non-test problems for the early-stop probe")
     p.add_argument("--tool-share", type=float, default=0.25, help="share of transcripts that call the tool")
     p.add_argument(
@@ -111,19 +98,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1,
         help="questions per transcript, 1 to this many (a new user question after each answer)",
     )
-    p.add_argument("--steps", type=int, default=1500, help="most SFT steps (fewer when the target is hit)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--target-copy-accuracy",
-        type=float,
-        default=0.9,
-        help="stop SFT once sampled trajectories that call the tool are right this often",
+    add_pretraining_flags(
+        p,
+        steps=1500,
+        batch_size=64,
+        lr=1e-3,
+        target=(
+            "--target-copy-accuracy",
+            0.9,
+            "stop SFT once sampled trajectories that call the tool are right this often",
+        ),
+        eval_every=50,
     )
-    p.add_argument("--eval-every", type=int, default=50, help="SFT steps between probe evaluations")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="n for the sampled statistics (as GRPO)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
+    tiny_build.add_common_flags(p)
     return p.parse_args(argv)
 
 
@@ -213,23 +201,12 @@ def write_sft_rows(transcripts: Transcripts, pool, args: argparse.Namespace, pat
 
 
 # ---------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
 def _generate(model, tok, prompts: list[list[int]], max_new_tokens: int, sample: bool) -> list[list[int]]:
-    pad = tok.pad_token_id
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, P)
-    attention_mask = (input_ids != pad).long()
-    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=tok.eos_token_id,
-        **sampling,
-    )
+    """Each prompt's new tokens, up to and including the eos (the turn ends there)."""
     rows = []
-    for seq in out[:, width:].tolist():
+    for seq in tiny_build.generate(
+        model, tok, prompts, max_new_tokens=max_new_tokens, sample=sample
+    ).tolist():
         rows.append(seq[: seq.index(tok.eos_token_id) + 1] if tok.eos_token_id in seq else seq)
     return rows
 
@@ -302,13 +279,8 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     model, tokenizer = build_tiny_hf_model(
         arch="llama",
         num_layers=2,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
         ffn_hidden_size=512,
-        tie_word_embeddings=False,
-        max_position_embeddings=128,
+        **tiny_build.POLICY_SHAPE,
         seed=args.seed,
         extra_words=TOOL_WORDS,
     )
@@ -317,22 +289,15 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     held_out = set(test)
     outside = [p for p in tool_mult.problems(args.seed + SEED_OFFSET) if p not in held_out]
     probe, pool = outside[: args.probe_size], outside[args.probe_size :]
-    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
-    scratch = out_dir / "_pretraining"
-    steps, curve, export = pretrain(
-        args,
-        save_base(model, tokenizer, scratch),
-        write_sft_rows(transcripts, pool, args, scratch / "sft" / "train.parquet"),
-        probe_copying(transcripts, probe, args),
-        scratch,
-        extra=["data.multiturn.enable=true", "data.multiturn.tools_key=tools"],
-    )
+    scratch = out_dir / "_pretraining"  # removed before out_dir is published
+    rows = functools.partial(write_sft_rows, transcripts, pool, args)
+    multiturn = ["data.multiturn.enable=true", "data.multiturn.tools_key=tools"]
+    probe_fn = probe_copying(transcripts, probe, args)
+    steps, curve, export = pretrain(args, model, tokenizer, scratch, rows, probe_fn, extra=multiturn)
     model = AutoModelForCausalLM.from_pretrained(export)
     greedy = evaluate(model, transcripts, test, seed=args.seed)
     sampled = evaluate(model, transcripts, test, n=args.samples_per_prompt, sample=True, seed=args.seed)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    shutil.rmtree(scratch)
+    tiny_build.publish(model, tokenizer, out_dir, scratch)
     return {
         "out": str(args.out),
         "data_dir": str(args.data_dir),
@@ -348,23 +313,13 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
 
 
 def write_rl_data(args: argparse.Namespace) -> list[str]:
-    argv = ["--output-dir", str(args.data_dir), "--train-size", str(args.train_size)]
-    argv += ["--test-size", str(args.test_size), "--seed", str(args.seed)]
-    with contextlib.redirect_stdout(sys.stderr):
-        return tool_mult.main(argv)
+    """train/test.parquet through tools/data/tool_mult.py, so the files are exactly what it writes."""
+    return tiny_build.write_split(tool_mult, args.data_dir, args.train_size, args.test_size, args.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
-    return build_once(
-        "make_tiny_tool_model",
-        args,
-        RECIPE_VERSION,
-        build,
-        data_present=lambda: all((Path(args.data_dir) / f"{s}.parquet").is_file() for s in ("train", "test")),
-        write_data=lambda: write_rl_data(args),
+    return tiny_build.run_builder(
+        "make_tiny_tool_model", parse_args(argv), RECIPE_VERSION, build, write_rl_data
     )
 
 

@@ -24,19 +24,17 @@ Why "weak but not random": GRPO learns only from groups whose samples disagree (
 out of pre-training, disjoint from the RL test split) reaches ``--target-accuracy``; by then the
 answer format is learnt and the count is right somewhat more often than a guess.
 
-Takes a few minutes on this CPU machine. Deterministic for a given seed and thread count; a second run with the same arguments finds the
-stamp and skips (``--force`` rebuilds); the output directory is written to a temporary sibling
-and renamed into place.
+Takes a few minutes on this CPU machine. Deterministic for a given seed and thread count; built
+once (``tools/tiny_build.py``): a second run with the same arguments skips, ``--force`` rebuilds.
 
-Boundaries: the data, the probe and the evaluation (transformers' ``generate``); training is the
-SFT trainer's.
+Boundaries: the image data, its probe and its scoring; training is the SFT trainer's, the stamp
+and the generation loop ``tiny_build.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
+import functools
 import shutil
 import sys
 import time
@@ -45,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from rlhf_megatron.config.schema import DataConfig
@@ -55,8 +52,8 @@ from rlhf_megatron.models.tiny import build_tiny_qwen2_5_vl
 from rlhf_megatron.rewards.easyr1 import math_compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_probe import SEED_OFFSET, pretrain, save_base  # noqa: E402
-from stamped_build import build_once  # noqa: E402
+import tiny_build  # noqa: E402
+from sft_probe import SEED_OFFSET, add_pretraining_flags, pretrain  # noqa: E402
 
 RECIPE_VERSION = 2  # 2: pre-trained by the SFT trainer on megatron-core (was a PyTorch loop)
 SHAPES_TOOL = Path(__file__).resolve().parent / "data" / "shapes_vl.py"
@@ -74,27 +71,30 @@ class Example:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="outputs/tiny_vl_model", help="model directory to write")
-    p.add_argument("--data-dir", default="outputs/data/shapes_vl", help="dataset directory (data/*.parquet)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-size", type=int, default=1024, help="RL train prompts")
-    p.add_argument("--test-size", type=int, default=100, help="held-out prompts (validation)")
+    p = tiny_build.builder_parser(
+        __doc__,
+        out="outputs/tiny_vl_model",
+        data_dir="outputs/data/shapes_vl",
+        train_size=1024,
+        test_size=100,
+        data_help="dataset directory (data/*.parquet)",
+        seed_help=None,
+    )
     p.add_argument("--pool-size", type=int, default=1024, help="pre-training images (a separate draw)")
     p.add_argument("--probe-size", type=int, default=100, help="images for the early-stop probe")
     p.add_argument("--size", type=int, default=56, help="image side in pixels (4 x 4 patches of 14)")
     p.add_argument("--max-count", type=int, default=4, help="most squares in one image")
     p.add_argument("--prompt-length", type=int, default=64, help="data.max_prompt_length of the RL config")
-    p.add_argument("--steps", type=int, default=400, help="most SFT steps (fewer when the target is hit)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--target-accuracy", type=float, default=0.45, help="stop at the first probe reaching this"
+    add_pretraining_flags(
+        p,
+        steps=400,
+        batch_size=32,
+        lr=1e-3,
+        target=("--target-accuracy", 0.45, "stop at the first probe reaching this"),
+        eval_every=10,
     )
-    p.add_argument("--eval-every", type=int, default=10, help="SFT steps between probe evaluations")
     p.add_argument("--max-new-tokens", type=int, default=12, help="generation budget (match the RL config)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out has a matching stamp")
+    tiny_build.add_common_flags(p)
     return p.parse_args(argv)
 
 
@@ -113,44 +113,15 @@ def data_config(args: argparse.Namespace) -> DataConfig:
 
 
 # ---------------------------------------------------------------------------------------- data
-def _shapes(argv: list[str]) -> list[str]:
-    spec = importlib.util.spec_from_file_location("tools_data_shapes_vl", SHAPES_TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON result
-        return module.main(argv)
-
-
 def write_datasets(args: argparse.Namespace, scratch: Path) -> tuple[Path, Path]:
     """The RL dataset (``--data-dir``) and, in ``scratch``, the pre-training pool and probe.
     Separate seeds give separate images; the probe is the pool tool's test split."""
+    shapes = tiny_build.load_script("tools_data_shapes_vl", SHAPES_TOOL)
     common = ["--size", str(args.size), "--max-count", str(args.max_count)]
-    _shapes(
-        [
-            "--output-dir",
-            str(args.data_dir),
-            "--train-size",
-            str(args.train_size),
-            "--test-size",
-            str(args.test_size),
-            "--seed",
-            str(args.seed),
-            *common,
-        ]
-    )
+    tiny_build.write_split(shapes, args.data_dir, args.train_size, args.test_size, args.seed, *common)
     pool_dir = scratch / "sft_data"
-    _shapes(
-        [
-            "--output-dir",
-            str(pool_dir),
-            "--train-size",
-            str(args.pool_size),
-            "--test-size",
-            str(args.probe_size),
-            "--seed",
-            str(args.seed + SEED_OFFSET),
-            *common,
-        ]
+    tiny_build.write_split(
+        shapes, pool_dir, args.pool_size, args.probe_size, args.seed + SEED_OFFSET, *common
     )
     return Path(args.data_dir), pool_dir
 
@@ -188,20 +159,9 @@ def write_sft_rows(pool_dir: Path, path: Path) -> str:
 def evaluate(model, tokenizer, examples: list[Example], *, max_new_tokens: int) -> dict[str, float]:
     """Greedy answers scored with EasyR1's ``math`` reward: mean accuracy and format rate."""
     model.eval()
-    pad_id = tokenizer.pad_token_id
-    width = max(len(e.prompt_ids) for e in examples)
-    input_ids = torch.tensor([[pad_id] * (width - len(e.prompt_ids)) + e.prompt_ids for e in examples])
-    attention_mask = (input_ids != pad_id).long()
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **concat_vision_inputs([e.vision for e in examples]),
-    )  # (B, P + new)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    prompts, vision = [e.prompt_ids for e in examples], concat_vision_inputs([e.vision for e in examples])
+    new = tiny_build.generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **vision)
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     scores = [math_compute_score(t, e.answer) for t, e in zip(texts, examples)]
     model.train()
     n = len(scores)
@@ -239,21 +199,14 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
 
     probe, test = rows(f"{pool_dir}@test"), rows(f"{data_dir}@test")
     before = evaluate(model, tokenizer, test, max_new_tokens=args.max_new_tokens)
-    # The random model is the SFT run's starting point; scratch goes before out_dir is published.
-    scratch = out_dir / "_pretraining"
+    scratch = out_dir / "_pretraining"  # removed before out_dir is published
     pixels = args.size * args.size
-    steps, curve, export = pretrain(
-        args,
-        save_base(model, processor, scratch),
-        write_sft_rows(pool_dir, scratch / "sft" / "train.parquet"),
-        probe_accuracy(tokenizer, probe, args),
-        scratch,
-        extra=[*SFT_DATA_KEYS, f"data.min_pixels={pixels}", f"data.max_pixels={pixels}"],
-    )
+    keys = [*SFT_DATA_KEYS, f"data.min_pixels={pixels}", f"data.max_pixels={pixels}"]
+    sft_rows, probe_fn = functools.partial(write_sft_rows, pool_dir), probe_accuracy(tokenizer, probe, args)
+    steps, curve, export = pretrain(args, model, processor, scratch, sft_rows, probe_fn, extra=keys)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(export)
     after = evaluate(model, tokenizer, test, max_new_tokens=args.max_new_tokens)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    shutil.rmtree(scratch)
+    tiny_build.publish(model, None, out_dir, scratch)  # the processor went in before pre-training
     shutil.rmtree(pool_dir)
     return {
         "out": str(args.out),
@@ -269,18 +222,16 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     }
 
 
+def rl_data_present(args: argparse.Namespace) -> bool:
+    """Both splits in ``--data-dir``, in EasyR1's layout: ``data/train-*.parquet``, ``data/test-*.parquet``."""
+    return all(any((Path(args.data_dir) / "data").glob(f"{s}-*.parquet")) for s in ("train", "test"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # No write_data: build writes the RL data too, beside the pre-training pool it draws the same way.
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
-    return build_once(
-        "make_tiny_vl_model",
-        args,
-        RECIPE_VERSION,
-        build,  # writes the data too
-        data_present=lambda: all(
-            any((Path(args.data_dir) / "data").glob(f"{s}-*.parquet")) for s in ("train", "test")
-        ),
+    return tiny_build.run_builder(
+        "make_tiny_vl_model", args, RECIPE_VERSION, build, data_present=rl_data_present
     )
 
 

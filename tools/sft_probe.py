@@ -2,7 +2,8 @@
 
 ``pretrain`` runs ``rlhf_megatron.stages.driver.run_stage("sft", ...)`` (the engine, data path
 and checkpoints ``python -m rlhf_megatron.sft`` uses) on one CPU process, saving every
-``--eval-every`` steps of the builder's arguments (``sft_overrides``).
+``--eval-every`` steps of the builder's arguments (``sft_overrides``; ``add_pretraining_flags``
+declares them).
 After each save it exports the checkpoint to Hugging Face (``convert_mcore_to_hf``, as
 ``rlhf-megatron convert mcore-to-hf`` does) and asks the builder's probe about it; the first probe
 that says "done" ends the run. The builders then evaluate and publish that export.
@@ -11,7 +12,8 @@ Why a probe and not a fixed step count: the quickstarts need a starting policy t
 not random (GRPO learns only from groups whose samples disagree), and the step where a tiny model
 gets there moves with the seed and the recipe (see ``make_tiny_model.py``).
 
-Boundaries: the stage run and the export; what a probe measures is each builder's.
+Boundaries: the stage run, its flags, its scratch directory and the export; what a probe measures
+and what the rows hold is each builder's.
 """
 
 from __future__ import annotations
@@ -69,15 +71,44 @@ def sft_overrides(
     ]
 
 
+def add_pretraining_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    target: tuple[str, float, str],
+    eval_every: int,
+) -> None:
+    """The builder's flags that ``sft_overrides`` reads, with the builder's defaults; ``target`` is
+    its early-stop flag (name, default, help), which only its probe reads."""
+    parser.add_argument(
+        "--steps", type=int, default=steps, help="most SFT steps (fewer when the target is hit)"
+    )
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=lr)
+    flag, default, help_text = target
+    parser.add_argument(flag, type=float, default=default, help=help_text)
+    parser.add_argument(
+        "--eval-every", type=int, default=eval_every, help="SFT steps between probe evaluations"
+    )
+
+
 def pretrain(
     args: argparse.Namespace,
-    base: Path,
-    train_files: str,
-    probe: Probe,
+    model,
+    processor,
     scratch: Path,
+    write_rows: Callable[[Path], str],
+    probe: Probe,
     extra: Sequence[str] = (),
 ) -> tuple[int, list[dict], Path]:
-    """``sft_until`` with ``sft_overrides``: the run's directory and exports go under ``scratch``."""
+    """SFT of the random ``model``, probed after every save (``sft_until`` with ``sft_overrides``).
+    Everything goes under ``scratch``: the starting point (``save_base``), the rows that
+    ``write_rows(path)`` writes to ``sft/train.parquet`` (it returns the ``data.train_files``
+    value), the run's directory and the exports."""
+    base = save_base(model, processor, scratch)
+    train_files = write_rows(scratch / "sft" / "train.parquet")
     return sft_until(sft_overrides(args, base, train_files, scratch / "run", extra), probe, scratch)
 
 

@@ -1,15 +1,17 @@
 """The training run the measurement tools start: one command line, one way to read its metrics.
 
-    from train_runs import read_metrics, run_train, train_command   # with tools/ on sys.path
+    from train_runs import ensure_tiny_model, read_metrics, run_train, train_command   # tools/ on sys.path
 
 ``train_command`` spells ``python -m rlhf_megatron.train --config CONFIG`` for a measurement: a
 fixed number of steps, metrics to ``metrics.jsonl`` in ``run_dir`` only, no checkpoints, no resume,
 validation off unless asked for. ``overrides`` come last, so a tool's own values win (the loader
 keeps the last value of a key). ``run_train`` runs it and returns the metric records, or raises
 naming the run with the end of its stderr. ``hooks_env`` adds the fault-injection test hook where
-an environment asks for a fault.
+an environment asks for a fault. ``ensure_tiny_model`` builds the CPU quickstart's policy the
+measured runs start from, when it is not there yet.
 
-Boundaries: builds command lines and reads files; the tools run the processes.
+Boundaries: the training run's command line, its process and its metrics file; what a tool
+measures in them is the tool's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_HOOKS = ROOT / "tests" / "fault_hooks.py"
+TINY_MODEL = ROOT / "outputs" / "tiny_model"
+"""The CPU quickstart's policy (``configs/quickstart_cpu.yaml``), as ``tools/make_tiny_model.py`` writes it."""
+
+
+def ensure_tiny_model() -> Path:
+    """``TINY_MODEL``, built with ``tools/make_tiny_model.py``'s defaults unless its stamp is there
+    (the build's JSON report is dropped: a measuring tool's stdout carries its own)."""
+    if not (TINY_MODEL / "stamp.json").is_file():
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "make_tiny_model.py")],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return TINY_MODEL
 
 
 def train_command(

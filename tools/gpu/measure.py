@@ -36,12 +36,21 @@ forward token, all parameters, no attention term).
 
     bash tools/gpu/run.sh                 # on the GPU machine (see that file)
     .venv/bin/python tools/gpu/measure.py --tiny --out /tmp/m.json   # CPU smoke run
+
+It is also the GPU tools' one measuring module: ``mfu.py`` imports it (``tools/gpu`` on
+``sys.path``) for the sections above and for the pieces of a measurement, which live here once:
+``Timer``, ``section``, ``write_json``, the random checkpoint (``write_model``), the run config
+(``load_config_with``), one engine's step (``build_engine``, ``actor_step``, ``timed``,
+``phase_stats``), the planner's side (``actor_plan``, ``add_measured``) and the summary's lines.
+
+Boundaries: measuring only; the engine, the planner and the weight syncer are the package's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -52,6 +61,7 @@ import tempfile
 import time
 import traceback
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,8 +108,9 @@ class Timer:
 
 
 @contextlib.contextmanager
-def section(results: dict, name: str):
-    """Record the block's failure (traceback) under ``results[name]`` instead of stopping the run."""
+def section(results: dict, name: str, tag: str = "measure"):
+    """Record the block's failure (traceback) under ``results[name]`` instead of stopping the run;
+    ``tag`` names the tool in the progress lines."""
     start = time.perf_counter()
     try:
         yield
@@ -108,13 +119,45 @@ def section(results: dict, name: str):
         if not isinstance(results[name], dict):
             results[name] = {"value": results[name]}
         results[name]["error"] = traceback.format_exc()
-        print(f"[measure] {name} FAILED:\n{results[name]['error']}", file=sys.stderr, flush=True)
+        print(f"[{tag}] {name} FAILED:\n{results[name]['error']}", file=sys.stderr, flush=True)
     finally:
-        print(f"[measure] {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"[{tag}] {name}: {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def gib(x: float) -> float:
     return round(x / 2**30, 3)
+
+
+def new_results(args) -> dict:
+    """The JSON's opening: the arguments (all but ``--out``) and when the run started."""
+    return {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write_json(path: Path, results: dict, default=str) -> None:
+    """``results`` into ``path`` through a temporary sibling: a run killed mid-write (a long
+    measurement on a lent machine) leaves the previous complete file, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=default))
+    os.replace(tmp, path)
+
+
+def init_one_rank() -> None:
+    """torch.distributed and megatron's parallel state for this one process (world size 1)."""
+    from rlhf_megatron.platform import init_distributed, init_model_parallel
+    from rlhf_megatron.platform.multiproc import find_free_port
+
+    init_distributed(0, 1, "127.0.0.1", find_free_port())
+    init_model_parallel(1, 1, seed=1)
+
+
+def free_memory(cuda: bool) -> None:
+    """Collect what the last engine left, so the next one's peak memory is its own."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------- sections
@@ -201,11 +244,11 @@ def ceilings(cuda: bool, repeats: int) -> dict:
     n = 2**30 // 2  # 1 GiB of bf16
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = _event_median(lambda: dst.copy_(src), repeats)
+    copy_ms = event_median(lambda: dst.copy_(src), repeats)
     size = 8192
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    mm_ms = _event_median(lambda: a @ b, repeats)
+    mm_ms = event_median(lambda: a @ b, repeats)
     return {
         "copy_bytes": 2 * 2 * n,
         "copy_ms": round(copy_ms, 4),
@@ -216,7 +259,8 @@ def ceilings(cuda: bool, repeats: int) -> dict:
     }
 
 
-def _event_median(fn, repeats: int) -> float:
+def event_median(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn`` on the device (CUDA events), after three unmeasured calls."""
     for _ in range(3):
         fn()
     times = []
@@ -279,7 +323,7 @@ def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) 
 
 def flops_per_token(arch, seq: int) -> dict:
     """Forward FLOPs per token: matrix parameters (layers + LM head) and causal attention."""
-    from rlhf_megatron.config.arch import count_parameters
+    from rlhf_megatron.planning.arch import count_parameters
 
     c = count_parameters(arch)
     h, L = arch.hidden_size, arch.num_layers
@@ -325,16 +369,14 @@ def run_config(args, model_dir: str) -> list[str]:
     ]
 
 
-def load_run_config(args, model_dir: str, recompute: str):
-    overrides = [
-        f"actor_rollout_ref.actor.megatron.{key}={value}" for key, value in RECOMPUTE[recompute].items()
-    ]
-    return load_config_with(args, model_dir, overrides)
+def recompute_overrides(mode: str) -> list[str]:
+    """The actor's activation-recompute keys of ``mode`` (``RECOMPUTE``) as config overrides."""
+    return [f"actor_rollout_ref.actor.megatron.{key}={value}" for key, value in RECOMPUTE[mode].items()]
 
 
 def load_config_with(args, model_dir: str, extra: list[str]):
     """The run config of this measurement, with ``extra`` overrides after ``run_config``'s."""
-    from rlhf_megatron.config import load_config
+    from rlhf_megatron.planning import load_config
 
     return load_config(None, [*run_config(args, model_dir), *extra], world_size=1)
 
@@ -367,21 +409,38 @@ def memory_state(cuda: bool) -> dict:
     }
 
 
-def measure_recompute(args, model_dir: str, mode: str) -> dict:
-    """One engine in ``mode``: build, warm-up update, log-prob passes, updates."""
+# ---------------------------------------------------------------------- one engine's step
+@dataclasses.dataclass
+class ActorStep:
+    """One optimizer step's work with the actor's own loss functions (the worker's methods read only
+    ``section`` and ``arch``): its micro-batches for the update and for the log-prob pass, the
+    tokens they hold and the model's FLOPs per token (``flops_per_token``)."""
+
+    policy_loss: Callable
+    log_prob_fn: Callable
+    update_micros: list
+    forward_micros: list
+    tokens: int
+    flops: dict
+
+
+def engine_inputs(args, model_dir: str, overrides: list[str]) -> tuple:
+    """(the run config's ``actor_rollout_ref`` section as dataclasses, the checkpoint's arch):
+    this measurement's config (``load_config_with``) with ``overrides``."""
     from omegaconf import OmegaConf
 
-    from rlhf_megatron.config.model_arch import ModelArch
-    from rlhf_megatron.data.batch import Batch
-    from rlhf_megatron.models.builder import ParallelConfig
-    from rlhf_megatron.workers.actor import UPDATE_KEYS, ActorRolloutRefWorker
-    from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
+    from rlhf_megatron.planning.model_arch import ModelArch
 
-    cuda = args.cuda
-    cfg = load_run_config(args, model_dir, mode)
-    section_cfg = OmegaConf.to_object(cfg.actor_rollout_ref)
-    arch = ModelArch.from_hf_dir(model_dir)
-    out: dict = {"megatron": {k: v for k, v in RECOMPUTE[mode].items()}}
+    cfg = load_config_with(args, model_dir, overrides)
+    return OmegaConf.to_object(cfg.actor_rollout_ref), ModelArch.from_hf_dir(model_dir)
+
+
+def build_engine(section_cfg, arch, model_dir: str, cuda: bool) -> tuple:
+    """(a ``MegatronEngine`` at TP 1 from the actor's megatron and optim sections, the seconds its
+    build took); the device's peak memory counter starts again with it."""
+    from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.workers.megatron_engine import MegatronEngine
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with Timer(cuda) as t:
@@ -393,72 +452,106 @@ def measure_recompute(args, model_dir: str, mode: str) -> dict:
             section_cfg.actor.optim,
             total_steps=100,
         )
-    out["build_s"] = round(t.seconds, 2)
-    out["after_build"] = memory_state(cuda)
-    # The actor's own loss functions (the worker's methods read only ``section`` and ``arch``).
+    return engine, t.seconds
+
+
+def actor_step(args, section_cfg, arch, batch: dict) -> ActorStep:
+    """``batch`` (a ``synthetic_batch``) split into ``args.micro``-row micro-batches, with the actor's
+    loss functions."""
+    from rlhf_megatron.data.batch import Batch
+    from rlhf_megatron.workers.actor import UPDATE_KEYS, ActorRolloutRefWorker
+    from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, split_micro_batches
+
     worker = types.SimpleNamespace(section=section_cfg, arch=arch)
-    policy_loss = ActorRolloutRefWorker._policy_loss_fn(worker)
-    log_prob_fn = ActorRolloutRefWorker._log_prob_fn(worker)
+    rows = Batch.from_dict(batch)
+    return ActorStep(
+        policy_loss=ActorRolloutRefWorker._policy_loss_fn(worker),
+        log_prob_fn=ActorRolloutRefWorker._log_prob_fn(worker),
+        update_micros=split_micro_batches(rows, (*MODEL_KEYS, *UPDATE_KEYS, "ref_log_probs"), args.micro),
+        forward_micros=split_micro_batches(rows, (*MODEL_KEYS, "responses"), args.micro),
+        tokens=int(rows["attention_mask"].sum()),
+        flops=flops_per_token(arch, args.prompt + args.response),
+    )
+
+
+def timed(fn, n: int, cuda: bool) -> tuple[list[float], list[int], list]:
+    """``n`` calls of ``fn``: (seconds, peak allocated bytes on the device, results) per call."""
+    seconds, peaks, results = [], [], []
+    for _ in range(n):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with Timer(cuda) as t:
+            results.append(fn())
+        seconds.append(t.seconds)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated())
+    return seconds, peaks, results
+
+
+def phase_stats(
+    seconds: list[float],
+    peaks: list[int],
+    step: ActorStep,
+    passes: int,
+    peak_tflops: float,
+    six_n: bool = True,
+) -> dict:
+    """Median seconds, tokens/s, MFU (``passes`` forward passes' FLOPs per token against
+    ``peak_tflops``; with ``six_n`` also the trainer's 6N rule) and peak memory of a phase."""
+    s = statistics.median(seconds)
+    peak = peak_tflops * 1e12
+    out = {
+        "seconds": [round(x, 4) for x in seconds],
+        "median_s": round(s, 4),
+        "tokens": step.tokens,
+        "tokens_per_s": round(step.tokens / s, 1),
+        "mfu": round(passes * step.flops["forward"] * step.tokens / s / peak, 4),
+    }
+    if six_n:
+        out["mfu_6n"] = round(passes * step.flops["forward_6n_rule"] * step.tokens / s / peak, 4)
+    out["peak_allocated_bytes"] = max(peaks) if peaks else None
+    out["peak_allocated_gib"] = gib(max(peaks)) if peaks else None
+    return out
+
+
+def measure_recompute(args, model_dir: str, mode: str) -> dict:
+    """One engine in ``mode``: build, warm-up update, log-prob passes, updates."""
+    cuda = args.cuda
+    section_cfg, arch = engine_inputs(args, model_dir, recompute_overrides(mode))
+    out: dict = {"megatron": {k: v for k, v in RECOMPUTE[mode].items()}}
+    engine, build_s = build_engine(section_cfg, arch, model_dir, cuda)
+    out["build_s"] = round(build_s, 2)
+    out["after_build"] = memory_state(cuda)
+    step = actor_step(args, section_cfg, arch, synthetic_batch(args, arch.vocab_size, seed=0))
 
     def forward_loss(output, micro):
-        log_prob_fn(output, micro)
+        step.log_prob_fn(output, micro)
         return output.new_zeros(()), {}
 
-    batch = Batch.from_dict(synthetic_batch(args, arch.vocab_size, seed=0))
-    update_micros = split_micro_batches(batch, (*MODEL_KEYS, *UPDATE_KEYS, "ref_log_probs"), args.micro)
-    forward_micros = split_micro_batches(batch, (*MODEL_KEYS, "responses"), args.micro)
-    tokens = int(batch["attention_mask"].sum())
-    flops = flops_per_token(arch, args.prompt + args.response)
-    peak = args.peak_tflops * 1e12
-
-    first = engine.train_step(update_micros, policy_loss, "stop", "[measure] warm-up")
+    first = engine.train_step(step.update_micros, step.policy_loss, "stop", "[measure] warm-up")
     out["warmup_update_ok"] = bool(first["update_ok"])
     out["after_first_step"] = memory_state(cuda)
-
-    def timed(fn, n):
-        seconds, peaks, results = [], [], []
-        for _ in range(n):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            with Timer(cuda) as t:
-                results.append(fn())
-            seconds.append(t.seconds)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated())
-        return seconds, peaks, results
-
     if cuda:
-        out["probe"] = probe_memory(engine, update_micros[:1], forward_micros[:1], policy_loss, log_prob_fn)
-
-    def stats(seconds, peaks, passes):
-        """Median seconds, tokens/s, MFU (``passes`` forward passes' FLOPs) and peak memory of a phase."""
-        s = statistics.median(seconds)
-        return {
-            "seconds": [round(x, 4) for x in seconds],
-            "median_s": round(s, 4),
-            "tokens": tokens,
-            "tokens_per_s": round(tokens / s, 1),
-            "mfu": round(passes * flops["forward"] * tokens / s / peak, 4),
-            "mfu_6n": round(passes * flops["forward_6n_rule"] * tokens / s / peak, 4),
-            "peak_allocated_bytes": max(peaks) if peaks else None,
-            "peak_allocated_gib": gib(max(peaks)) if peaks else None,
-        }
-
-    seconds, peaks, _ = timed(lambda: engine.run(forward_micros, forward_loss, forward_only=True), args.steps)
-    out["log_prob"] = stats(seconds, peaks, passes=1)
-    seconds, peaks, results = timed(
-        lambda: engine.train_step(update_micros, policy_loss, "stop", "[measure]"), args.steps
+        out["probe"] = probe_memory(
+            engine, step.update_micros[:1], step.forward_micros[:1], step.policy_loss, step.log_prob_fn
+        )
+    seconds, peaks, _ = timed(
+        lambda: engine.run(step.forward_micros, forward_loss, forward_only=True), args.steps, cuda
     )
-    out["update"] = stats(seconds, peaks, passes=3)  # forward + backward: 3x a forward pass
+    out["log_prob"] = phase_stats(seconds, peaks, step, passes=1, peak_tflops=args.peak_tflops)
+    seconds, peaks, results = timed(
+        lambda: engine.train_step(step.update_micros, step.policy_loss, "stop", "[measure]"), args.steps, cuda
+    )
+    # forward + backward: 3x a forward pass
+    out["update"] = phase_stats(seconds, peaks, step, passes=3, peak_tflops=args.peak_tflops)
     out["update"].update(
-        micro_batches=len(update_micros),
+        micro_batches=len(step.update_micros),
         grad_norms=[round(r["grad_norm"], 4) for r in results],
         update_ok=all(r["update_ok"] for r in results),
     )
     engine = first = results = None  # free the model before the next one is built
-    gc.collect()
+    free_memory(cuda)
     if cuda:
-        torch.cuda.empty_cache()
         out["after_teardown"] = memory_state(cuda)
     return out
 
@@ -491,15 +584,33 @@ def probe_memory(engine, update_micro, forward_micro, policy_loss, log_prob_fn) 
     return probe
 
 
+# ---------------------------------------------------------------------- the planner's side
+def actor_plan(args, model_dir: str, overrides: list[str]) -> tuple:
+    """(``rlhf-megatron plan``'s memory plan of this measurement's config with ``overrides`` at
+    world size 1, its actor role)."""
+    from rlhf_megatron.planning.memory import plan_memory
+
+    plan = plan_memory(load_config_with(args, model_dir, overrides), world_size=1)
+    return plan, next(r for r in plan.roles if r.role == "actor")
+
+
+def add_measured(entry: dict, run: dict, planned: dict[str, int]) -> None:
+    """Per phase the run measured (``planned``: phase -> planned bytes, in the JSON's order), the
+    measured peak and planned / measured into ``entry``."""
+    for phase, nbytes in planned.items():
+        measured = run.get(phase, {}).get("peak_allocated_bytes")
+        if measured:
+            entry[f"{phase}_measured_gib"] = gib(measured)
+            entry[f"{phase}_ratio"] = round(nbytes / measured, 3)
+
+
 def planner(args, model_dir: str, runs: dict) -> dict:
     """The planner's actor numbers per recompute mode, against the measured peaks."""
-    from rlhf_megatron.config.planner import format_plan, plan_memory
+    from rlhf_megatron.planning.memory import format_plan
 
     out = {}
     for mode, run in runs.items():
-        cfg = load_run_config(args, model_dir, mode)
-        plan = plan_memory(cfg, world_size=1)
-        actor = next(r for r in plan.roles if r.role == "actor")
+        plan, actor = actor_plan(args, model_dir, recompute_overrides(mode))
         entry = {
             "weights_gib": gib(actor.weights),
             "grads_gib": gib(actor.grads),
@@ -511,11 +622,7 @@ def planner(args, model_dir: str, runs: dict) -> dict:
             "log_prob_planned_gib": gib(actor.forward_phase()),
             "update_planned_gib": gib(actor.training_phase()),
         }
-        for phase, planned in (("log_prob", actor.forward_phase()), ("update", actor.training_phase())):
-            measured = run.get(phase, {}).get("peak_allocated_bytes")
-            if measured:
-                entry[f"{phase}_measured_gib"] = gib(measured)
-                entry[f"{phase}_ratio"] = round(planned / measured, 3)
+        add_measured(entry, run, {"log_prob": actor.forward_phase(), "update": actor.training_phase()})
         out[mode] = entry
         if mode == "none":
             out["plan_text"] = format_plan(plan, title="tools/gpu/measure.py (recompute none)")
@@ -529,11 +636,9 @@ def planner(args, model_dir: str, runs: dict) -> dict:
 def weight_export(args, model_dir: str) -> dict:
     """Plan + gather + convert into HF-named tensors on the device: checked against the checkpoint,
     then timed (alone, and with a copy into preallocated HF tensors) against the copy floor."""
-    from safetensors import safe_open
-
-    from rlhf_megatron.config.model_arch import ModelArch
     from rlhf_megatron.config.schema import MegatronConfig
     from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.planning.model_arch import ModelArch
     from rlhf_megatron.platform import ParallelGroups, ParallelInfo
     from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
     from rlhf_megatron.workers.megatron_engine import MegatronEngine
@@ -545,21 +650,8 @@ def weight_export(args, model_dir: str) -> dict:
     with Timer(cuda) as t_plan:
         plan = build_sync_plan(arch, TrainLayout.of(info), 1, "hf", args.bucket_mb * 2**20, dtype_bytes=2)
     syncer = WeightSyncer.of(plan, engine.chunks, info, ParallelGroups.current())
-
-    # Correctness: every exported tensor equals the checkpoint's, bit for bit.
-    mismatched, names, nbytes, off_device = [], [], 0, []
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    handles = [safe_open(str(f), "pt", device="cuda" if cuda else "cpu") for f in files]
-    index = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 (a safetensors handle is not iterable)
-    for name, tensor in syncer.iter_weights():
-        names.append(name)
-        nbytes += tensor.numel() * tensor.element_size()
-        if tensor.device.type != ("cuda" if cuda else "cpu"):
-            off_device.append(name)
-        expected = index[name].get_tensor(name).to(tensor.device, tensor.dtype) if name in index else None
-        if expected is None or not torch.equal(tensor, expected):
-            mismatched.append(name)
-    missing = sorted(set(index) - set(names))
+    out = {"plan_s": round(t_plan.seconds, 4), "buckets": len(plan.buckets), "bucket_mb": args.bucket_mb}
+    out.update(check_export(syncer, model_dir, cuda))
 
     def export():
         for _ in syncer.iter_weights():
@@ -573,32 +665,44 @@ def weight_export(args, model_dir: str) -> dict:
         for name, tensor in syncer.iter_weights():
             dest[name].copy_(tensor, non_blocking=True)
 
-    out = {"plan_s": round(t_plan.seconds, 4), "buckets": len(plan.buckets), "bucket_mb": args.bucket_mb}
-    out.update(
-        tensors=len(names),
-        bytes=nbytes,
-        gib=gib(nbytes),
-        mismatched=mismatched,
-        missing=missing,
-        off_device=off_device,
-    )
     for label, fn in (("export", export), ("export_and_copy", export_and_copy)):
         fn()  # warm-up
-        times = []
-        for _ in range(args.steps):
-            with Timer(cuda) as t:
-                fn()
-            times.append(t.seconds)
+        times, _, _ = timed(fn, args.steps, cuda)
         out[f"{label}_s"] = round(statistics.median(times), 5)
         out[f"{label}_phases"] = {k: round(v, 5) for k, v in syncer.stats.items() if k.endswith("_s")}
-    engine = syncer = dest = handles = index = None
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    engine = syncer = dest = None
+    free_memory(cuda)
     return out
 
 
-def main(argv=None) -> int:
+def check_export(syncer, model_dir: str, cuda: bool) -> dict:
+    """Correctness: every exported tensor equals the checkpoint's, bit for bit, on the device."""
+    from safetensors import safe_open
+
+    mismatched, names, nbytes, off_device = [], [], 0, []
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    handles = [safe_open(str(f), "pt", device="cuda" if cuda else "cpu") for f in files]
+    index = {k: h for h in handles for k in h.keys()}  # noqa: SIM118 (a safetensors handle is not iterable)
+    for name, tensor in syncer.iter_weights():
+        names.append(name)
+        nbytes += tensor.numel() * tensor.element_size()
+        if tensor.device.type != ("cuda" if cuda else "cpu"):
+            off_device.append(name)
+        expected = index[name].get_tensor(name).to(tensor.device, tensor.dtype) if name in index else None
+        if expected is None or not torch.equal(tensor, expected):
+            mismatched.append(name)
+    return {
+        "tensors": len(names),
+        "bytes": nbytes,
+        "gib": gib(nbytes),
+        "mismatched": mismatched,
+        "missing": sorted(set(index) - set(names)),
+        "off_device": off_device,
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, with ``--tiny``'s or the 1B model's defaults filled in (``--replan`` needs none)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (CPU smoke run)")
@@ -628,7 +732,7 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.replan:
-        return replan(Path(args.out))
+        return args
     defaults = (
         dict(model="tiny", prompt=32, response=32, mini_batch=8, micro=2)
         if args.tiny
@@ -641,18 +745,19 @@ def main(argv=None) -> int:
     args.transformer_impl = "transformer_engine" if _installed("transformer_engine") else "local"
     if not args.cuda and not args.tiny:
         parser.error("no CUDA device here: run on the GPU machine (tools/gpu/run.sh), or pass --tiny")
+    return args
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replan:
+        return replan(Path(args.out))
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    results: dict = {
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    results = new_results(args)
 
     def save():
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        os.replace(tmp, out_path)
+        write_json(out_path, results)
 
     with section(results, "env"):
         results["env"] = env_info(args.cuda)
@@ -663,42 +768,13 @@ def main(argv=None) -> int:
     with section(results, "ceilings"):
         results["ceilings"] = ceilings(args.cuda, repeats=20)
 
-    from rlhf_megatron.platform import destroy_distributed, init_distributed, init_model_parallel
-    from rlhf_megatron.platform.multiproc import find_free_port
+    from rlhf_megatron.platform import destroy_distributed
 
-    init_distributed(0, 1, "127.0.0.1", find_free_port())
-    init_model_parallel(1, 1, seed=1)
+    init_one_rank()
     results["env"]["backend"] = torch.distributed.get_backend()
     results["env"]["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
     with tempfile.TemporaryDirectory(prefix="measure_model_") as tmp:
-        model_dir = str(Path(tmp) / "model")
-        with section(results, "model"):
-            results["model"] = write_model(Path(model_dir), MODELS[args.model], args.cuda)
-            from rlhf_megatron.config.model_arch import ModelArch
-
-            results["model"]["flops_per_token"] = flops_per_token(
-                ModelArch.from_hf_dir(model_dir), args.prompt + args.response
-            )
-        save()
-        with section(results, "export"):
-            results["export"] = weight_export(args, model_dir)
-            floor = (
-                results["export"]["bytes"]
-                * 2
-                / (results["ceilings"].get("copy_gb_per_s") or float("nan"))
-                / 1e9
-            )
-            results["export"]["floor_s"] = round(floor, 5)
-            for label in ("export", "export_and_copy"):
-                results["export"][f"{label}_over_floor"] = round(results["export"][f"{label}_s"] / floor, 2)
-        save()
-        results["runs"] = {}
-        for mode in args.recompute:
-            with section(results["runs"], mode):
-                results["runs"][mode] = measure_recompute(args, model_dir, mode)
-            save()
-        with section(results, "planner"):
-            results["planner"] = planner(args, model_dir, results["runs"])
+        measure_model(args, str(Path(tmp) / "model"), results, save)
     destroy_distributed()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
@@ -706,11 +782,39 @@ def main(argv=None) -> int:
     return 0
 
 
+def measure_model(args, model_dir: str, results: dict, save) -> None:
+    """The sections on one random checkpoint in ``model_dir``: model, export, runs and planner,
+    ``save()``-d as they complete."""
+    from rlhf_megatron.planning.model_arch import ModelArch
+
+    with section(results, "model"):
+        results["model"] = write_model(Path(model_dir), MODELS[args.model], args.cuda)
+        results["model"]["flops_per_token"] = flops_per_token(
+            ModelArch.from_hf_dir(model_dir), args.prompt + args.response
+        )
+    save()
+    with section(results, "export"):
+        results["export"] = weight_export(args, model_dir)
+        # The floor: the exported bytes read once and written once at the measured copy bandwidth.
+        floor = (
+            results["export"]["bytes"] * 2 / (results["ceilings"].get("copy_gb_per_s") or float("nan")) / 1e9
+        )
+        results["export"]["floor_s"] = round(floor, 5)
+        for label in ("export", "export_and_copy"):
+            results["export"][f"{label}_over_floor"] = round(results["export"][f"{label}_s"] / floor, 2)
+    save()
+    results["runs"] = {}
+    for mode in args.recompute:
+        with section(results["runs"], mode):
+            results["runs"][mode] = measure_recompute(args, model_dir, mode)
+        save()
+    with section(results, "planner"):
+        results["planner"] = planner(args, model_dir, results["runs"])
+
+
 def replan(path: Path) -> int:
     """The planner section of ``path`` recomputed by this checkout's planner, against the peaks
     measured in the same file; the section records when and that it was recomputed."""
-    import subprocess as sp
-
     results = json.loads(path.read_text())
     args = argparse.Namespace(**results["args"])
     args.cuda = results["args"].get("cuda", True)
@@ -718,7 +822,7 @@ def replan(path: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="replan_") as tmp:
         llama_config(results["model"]["shape"]).save_pretrained(tmp)  # config.json only: no weights
         results["planner"] = planner(args, tmp, results["runs"])
-    commit = sp.run(
+    commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     results["planner"]["recomputed"] = {
@@ -726,26 +830,36 @@ def replan(path: Path) -> int:
         "commit": commit,
         "how": "tools/gpu/measure.py --replan: this checkout's planner against the memory measured in this file",
     }
-    tmp_path = path.with_suffix(".tmp")
-    tmp_path.write_text(json.dumps(results, indent=1, default=str))
-    os.replace(tmp_path, path)
+    write_json(path, results)
     print(summary(results), flush=True)
     return 0
 
 
-def summary(results: dict) -> str:
-    lines = ["", "== summary =="]
+# ---------------------------------------------------------------------- the summary
+def device_line(results: dict) -> str:
     env = results.get("env", {})
-    lines.append(
-        f"device {env.get('device', 'cpu')}  torch {env.get('torch')}  megatron-core {env.get('megatron_core')}"
+    return f"device {env.get('device', 'cpu')}  torch {env.get('torch')}  megatron-core {env.get('megatron_core')}"
+
+
+def ceilings_line(results: dict) -> str:
+    c = results.get("ceilings", {})
+    return f"ceilings: copy {c.get('copy_gb_per_s')} GB/s, bf16 matmul {c.get('matmul_tflops')} TFLOP/s"
+
+
+def phase_line(stats: dict) -> str:
+    """A phase's ``phase_stats`` in a summary line."""
+    return (
+        f"{stats['median_s']:.3f} s {stats['tokens_per_s']:.0f} tok/s MFU {stats['mfu']:.3f} "
+        f"peak {stats['peak_allocated_gib']} GiB"
     )
+
+
+def summary(results: dict) -> str:
+    lines = ["", "== summary ==", device_line(results)]
     tests = results.get("gpu_tests", {})
     if tests:
         lines.append(f"gpu tests: {tests.get('summary')}")
-    c = results.get("ceilings", {})
-    lines.append(
-        f"ceilings: copy {c.get('copy_gb_per_s')} GB/s, bf16 matmul {c.get('matmul_tflops')} TFLOP/s"
-    )
+    lines.append(ceilings_line(results))
     e = results.get("export", {})
     if "export_s" in e:
         lines.append(
@@ -759,10 +873,8 @@ def summary(results: dict) -> str:
             continue
         u, f, p = run["update"], run["log_prob"], plan.get(mode, {})
         lines.append(
-            f"{mode:9s} update {u['median_s']:.3f} s {u['tokens_per_s']:.0f} tok/s MFU {u['mfu']:.3f} "
-            f"peak {u['peak_allocated_gib']} GiB (plan {p.get('update_planned_gib')}, ratio {p.get('update_ratio')}) | "
-            f"log-prob {f['median_s']:.3f} s {f['tokens_per_s']:.0f} tok/s MFU {f['mfu']:.3f} "
-            f"peak {f['peak_allocated_gib']} GiB (plan {p.get('log_prob_planned_gib')}, ratio {p.get('log_prob_ratio')})"
+            f"{mode:9s} update {phase_line(u)} (plan {p.get('update_planned_gib')}, ratio {p.get('update_ratio')}) | "
+            f"log-prob {phase_line(f)} (plan {p.get('log_prob_planned_gib')}, ratio {p.get('log_prob_ratio')})"
         )
     errors = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     if errors:

@@ -32,6 +32,10 @@ against ``--peak-tflops`` (989: dense bf16 of an H100/H200 SXM).
 
     bash tools/gpu/run.sh --mfu OUT.json            # on the GPU machine
     .venv/bin/python tools/gpu/mfu.py --tiny --out /tmp/mfu.json   # CPU smoke run
+
+Boundaries: the variants, the SDPA cases, the kernel profile and their report; how a step is
+measured (timers, sections, the engine's step, the planner's side, the JSON file) is
+``measure.py``'s, imported from beside this file.
 """
 
 from __future__ import annotations
@@ -39,16 +43,12 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gc
 import json
-import os
 import re
-import statistics
 import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 import torch
@@ -80,43 +80,29 @@ BASE = dict(
 # What this checkout does on CUDA by default (attention auto = sdpa, mask-free rows from 8K-token
 # micro-batches, no deterministic algorithms), plus torch's fused AdamW.
 AFTER = dict(attention="auto", causal_rows="auto", deterministic=None, fused_adam=True)
+ROWS, MASK = {**AFTER, "causal_rows": 0}, {**AFTER, "causal_rows": None}  # mask-free rows always / never
 LONG16, LONG32 = (1024, 15360, 2, 1), (1024, 31744, 2, 1)
+LONG = dict(recompute="full", log_prob=False)  # long rows: full recompute, no log-prob pass
 VARIANTS = [
     dict(name="base", profile=True),
     dict(name="after", **AFTER, profile=True),
-    dict(name="after_rows", **{**AFTER, "causal_rows": 0}),
+    dict(name="after_rows", **ROWS),
     dict(name="after_m4", **AFTER, shape=(1024, 1024, 16, 4)),
     dict(name="after_m8", **AFTER, shape=(1024, 1024, 16, 8), profile=True),
-    dict(name="after_m4_rows", **{**AFTER, "causal_rows": 0}, shape=(1024, 1024, 16, 4)),
+    dict(name="after_m4_rows", **ROWS, shape=(1024, 1024, 16, 4)),
     dict(name="after_selective", **AFTER, recompute="selective"),
     dict(name="after_full", **AFTER, recompute="full"),
     dict(name="after_4k", **AFTER, shape=(1024, 3072, 8, 1)),
-    dict(name="after_16k_full", **AFTER, recompute="full", shape=LONG16, log_prob=False),
-    dict(
-        name="after_16k_full_mask",
-        **{**AFTER, "causal_rows": None},
-        recompute="full",
-        shape=LONG16,
-        log_prob=False,
-    ),
-    dict(name="after_32k_full", **AFTER, recompute="full", shape=LONG32, log_prob=False),
-    dict(
-        name="after_32k_full_mask",
-        **{**AFTER, "causal_rows": None},
-        recompute="full",
-        shape=LONG32,
-        log_prob=False,
-    ),
+    dict(name="after_16k_full", **AFTER, **LONG, shape=LONG16),
+    dict(name="after_16k_full_mask", **MASK, **LONG, shape=LONG16),
+    dict(name="after_32k_full", **AFTER, **LONG, shape=LONG32),
+    dict(name="after_32k_full_mask", **MASK, **LONG, shape=LONG32),
     dict(name="base_3b", model="llama-3b"),
     dict(name="after_3b", model="llama-3b", **AFTER),
     dict(name="after_3b_m4", model="llama-3b", **AFTER, shape=(1024, 1024, 16, 4)),
     dict(name="after_padded", **AFTER, padded=True),
-    dict(name="after_padded_rows", **{**AFTER, "causal_rows": 0}, padded=True),
+    dict(name="after_padded_rows", **ROWS, padded=True),
 ]
-
-
-def gib(x: float) -> float:
-    return round(x / 2**30, 3)
 
 
 def sync(cuda: bool) -> None:
@@ -290,7 +276,7 @@ def sdpa_kernels(cuda: bool, repeats: int = 10) -> dict:
             torch.use_deterministic_algorithms(det, warn_only=True)
             key = "deterministic" if det else "default"
             try:
-                ms = measure._event_median(fn, repeats)
+                ms = measure.event_median(fn, repeats)
                 kernels, _ = profiled_kernels(fn, cuda)
                 entry[key] = {
                     "ms": round(ms, 3),
@@ -303,7 +289,7 @@ def sdpa_kernels(cuda: bool, repeats: int = 10) -> dict:
         for name, backend in backends.items():
             try:
                 with sdpa_kernel([backend]):
-                    ms = measure._event_median(fn, max(3, repeats // 2))
+                    ms = measure.event_median(fn, max(3, repeats // 2))
                 entry[name] = {"ms": round(ms, 3), "tflops": round(3.5 * causal_flops / ms / 1e9, 1)}
             except Exception as exc:  # noqa: BLE001 (recorded)
                 entry[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -324,11 +310,10 @@ def variant_args(args, v: dict) -> argparse.Namespace:
 
 def variant_overrides(v: dict) -> list[str]:
     """Config overrides beyond ``measure.run_config``: the attention backend and recomputation."""
-    key = "actor_rollout_ref.actor.megatron"
-    out = [f"{key}.attention_backend={v['attention']}"]
-    for k, value in measure.RECOMPUTE[v["recompute"]].items():
-        out.append(f"{key}.{k}={value}")
-    return out
+    return [
+        f"actor_rollout_ref.actor.megatron.attention_backend={v['attention']}",
+        *measure.recompute_overrides(v["recompute"]),
+    ]
 
 
 def padded_batch(args, vocab: int, seed: int) -> dict:
@@ -351,21 +336,9 @@ def padded_batch(args, vocab: int, seed: int) -> dict:
 
 def run_variant(args, model_dir: str, v: dict) -> dict:
     """One engine per variant: build, warm-up update, timed updates and log-prob passes."""
-    from omegaconf import OmegaConf
-
-    import rlhf_megatron.workers.megatron_engine as engine_mod
-    from rlhf_megatron.config.model_arch import ModelArch
-    from rlhf_megatron.data.batch import Batch
-    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
-    from rlhf_megatron.platform.fused_adam import fuse_torch_adam
-    from rlhf_megatron.workers.actor import UPDATE_KEYS, ActorRolloutRefWorker
-    from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, MegatronEngine, split_micro_batches
-
     cuda = args.cuda
     a = variant_args(args, v)
-    cfg = measure.load_config_with(a, model_dir, variant_overrides(v))
-    section_cfg = OmegaConf.to_object(cfg.actor_rollout_ref)
-    arch = ModelArch.from_hf_dir(model_dir)
+    section_cfg, arch = measure.engine_inputs(a, model_dir, variant_overrides(v))
     deterministic = args.default_deterministic if v["deterministic"] is None else v["deterministic"]
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     out: dict = {
@@ -373,103 +346,74 @@ def run_variant(args, model_dir: str, v: dict) -> dict:
         "overrides": variant_overrides(v),
         "deterministic": deterministic,
     }
-    # The engine builds its chunks through this name: the variant's fused kernels go in here.
-    engine_mod.build_gpt_model = functools.partial(
-        build_gpt_model, causal_rows=v["causal_rows"], fuse_swiglu=v["swiglu"]
-    )
-    try:
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        with measure.Timer(cuda) as t:
-            engine = MegatronEngine(
-                arch,
-                ParallelConfig(1),
-                model_dir,
-                section_cfg.actor.megatron,
-                section_cfg.actor.optim,
-                total_steps=100,
-            )
-    finally:
-        engine_mod.build_gpt_model = build_gpt_model
-    out["build_s"] = round(t.seconds, 2)
-    if v["fused_adam"]:
-        out["fused_adam_optimizers"] = fuse_torch_adam(engine.optimizer)
-    worker = types.SimpleNamespace(section=section_cfg, arch=arch)
-    policy_loss = ActorRolloutRefWorker._policy_loss_fn(worker)
-    log_prob_fn = ActorRolloutRefWorker._log_prob_fn(worker)
+    engine, built = build_variant_engine(v, section_cfg, arch, model_dir, cuda)
+    out.update(built)
+    make = padded_batch if v["padded"] else measure.synthetic_batch
+    step = measure.actor_step(a, section_cfg, arch, make(a, arch.vocab_size, seed=0))
     captured: list = []
 
     def forward_loss(output, micro):
-        result = log_prob_fn(output, micro)
+        result = step.log_prob_fn(output, micro)
         if not captured:  # the first micro-batch's log-probs, for comparing variants
             captured.append(result)
         return output.new_zeros(()), {}
 
-    make = padded_batch if v["padded"] else measure.synthetic_batch
-    batch = Batch.from_dict(make(a, arch.vocab_size, seed=0))
-    update_micros = split_micro_batches(batch, (*MODEL_KEYS, *UPDATE_KEYS, "ref_log_probs"), a.micro)
-    forward_micros = split_micro_batches(batch, (*MODEL_KEYS, "responses"), a.micro)
-    tokens = int(batch["attention_mask"].sum())
-    flops = measure.flops_per_token(arch, a.prompt + a.response)
-    peak = args.peak_tflops * 1e12
-
     def update():
-        return engine.train_step(update_micros, policy_loss, "stop", "[mfu]")
+        return engine.train_step(step.update_micros, step.policy_loss, "stop", "[mfu]")
 
     with measure.Timer(cuda) as t:
         first = update()
     out["warmup_s"] = round(t.seconds, 2)
     out["warmup_update_ok"] = bool(first["update_ok"])
-
-    def timed(fn, n):
-        seconds, peaks, results = [], [], []
-        for _ in range(n):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            with measure.Timer(cuda) as tm:
-                results.append(fn())
-            seconds.append(tm.seconds)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated())
-        return seconds, peaks, results
-
-    def stats(seconds, peaks, passes):
-        s = statistics.median(seconds)
-        return {
-            "seconds": [round(x, 4) for x in seconds],
-            "median_s": round(s, 4),
-            "tokens": tokens,
-            "tokens_per_s": round(tokens / s, 1),
-            "mfu": round(passes * flops["forward"] * tokens / s / peak, 4),
-            "peak_allocated_bytes": max(peaks) if peaks else None,
-            "peak_allocated_gib": gib(max(peaks)) if peaks else None,
-        }
-
-    seconds, peaks, results = timed(update, args.steps)
+    stats = functools.partial(measure.phase_stats, step=step, peak_tflops=args.peak_tflops, six_n=False)
+    seconds, peaks, results = measure.timed(update, args.steps, cuda)
     out["update"] = stats(seconds, peaks, passes=3)
     out["update"]["grad_norms"] = [round(r["grad_norm"], 5) for r in results]
     out["update"]["update_ok"] = all(r["update_ok"] for r in results)
     if v["log_prob"]:
-        seconds, peaks, _ = timed(
-            lambda: engine.run(forward_micros, forward_loss, forward_only=True), args.steps
+        seconds, peaks, _ = measure.timed(
+            lambda: engine.run(step.forward_micros, forward_loss, forward_only=True), args.steps, cuda
         )
         out["log_prob"] = stats(seconds, peaks, passes=1)
         if captured:
-            lp = captured[0]
-            lp = lp[0] if isinstance(lp, tuple) else lp
-            if isinstance(lp, dict):
-                lp = next(iter(lp.values()))
-            out["first_log_probs"] = lp.detach().float().cpu() if torch.is_tensor(lp) else None
+            out["first_log_probs"] = _log_prob_tensor(captured[0])
     if v["profile"]:
         host: dict = {}
         kernels, wall = profiled_kernels(update, cuda, host)
         out["profile"] = {**kernel_table(kernels, wall), "host": host}
     engine = first = results = None
     _free_megatron_buffers()
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    measure.free_memory(cuda)
     return out
+
+
+def build_variant_engine(v: dict, section_cfg, arch, model_dir: str, cuda: bool) -> tuple:
+    """(the variant's engine: megatron's model builder with the variant's fused kernels, torch's
+    fused AdamW when asked; the JSON fields of its build)."""
+    import rlhf_megatron.workers.megatron_engine as engine_mod
+    from rlhf_megatron.models.builder import build_gpt_model
+    from rlhf_megatron.platform.fused_adam import fuse_torch_adam
+
+    # The engine builds its chunks through this name: the variant's fused kernels go in here.
+    engine_mod.build_gpt_model = functools.partial(
+        build_gpt_model, causal_rows=v["causal_rows"], fuse_swiglu=v["swiglu"]
+    )
+    try:
+        engine, build_s = measure.build_engine(section_cfg, arch, model_dir, cuda)
+    finally:
+        engine_mod.build_gpt_model = build_gpt_model
+    built = {"build_s": round(build_s, 2)}
+    if v["fused_adam"]:
+        built["fused_adam_optimizers"] = fuse_torch_adam(engine.optimizer)
+    return engine, built
+
+
+def _log_prob_tensor(result):
+    """The log-probs tensor in what the actor's log-prob function returned (a tuple or a dict)."""
+    lp = result[0] if isinstance(result, tuple) else result
+    if isinstance(lp, dict):
+        lp = next(iter(lp.values()))
+    return lp.detach().float().cpu() if torch.is_tensor(lp) else None
 
 
 def _free_megatron_buffers() -> None:
@@ -501,32 +445,27 @@ def compare_log_probs(runs: dict, a: str, b: str, args) -> dict:
 def planner(args, model_dirs: dict[str, str], runs: dict) -> dict:
     """The planner's actor numbers for each variant's config (``model_dirs``: model name ->
     checkpoint or config directory), against its measured peaks."""
-    from rlhf_megatron.config.planner import plan_memory
-
     out = {}
     for name, run in runs.items():
         if "update" not in run:
             continue
         v = {**BASE, **run["variant"]}
-        a = variant_args(args, v)
         model_dir = model_dirs["tiny" if args.tiny else v["model"]]
-        cfg = measure.load_config_with(a, model_dir, run["overrides"])
-        actor = next(r for r in plan_memory(cfg, world_size=1).roles if r.role == "actor")
+        _, actor = measure.actor_plan(variant_args(args, v), model_dir, run["overrides"])
         entry = {
-            "update_planned_gib": gib(actor.training_phase()),
-            "log_prob_planned_gib": gib(actor.forward_phase()),
+            "update_planned_gib": measure.gib(actor.training_phase()),
+            "log_prob_planned_gib": measure.gib(actor.forward_phase()),
         }
-        for phase, planned in (("update", actor.training_phase()), ("log_prob", actor.forward_phase())):
-            measured = run.get(phase, {}).get("peak_allocated_bytes")
-            if measured:
-                entry[f"{phase}_measured_gib"] = gib(measured)
-                entry[f"{phase}_ratio"] = round(planned / measured, 3)
+        measure.add_measured(
+            entry, run, {"update": actor.training_phase(), "log_prob": actor.forward_phase()}
+        )
         out[name] = entry
     return out
 
 
 # ---------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, plus the measurement's shape under ``measure.py``'s argument names."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (CPU smoke run)")
@@ -540,7 +479,6 @@ def main(argv=None) -> int:
     parser.add_argument("--replan", action="store_true", help="recompute the planner section of --out (CPU)")
     parser.add_argument("--skip-sdpa", action="store_true", help="leave out the SDPA kernel section")
     args = parser.parse_args(argv)
-    start = time.perf_counter()
     args.cuda = torch.cuda.is_available()
     args.transformer_impl = "local"
     args.n = 8
@@ -548,30 +486,26 @@ def main(argv=None) -> int:
         args.model, args.prompt, args.response, args.mini_batch, args.micro = "tiny", 32, 32, 8, 2
     else:
         args.model, args.prompt, args.response, args.mini_batch, args.micro = "llama-1b", 1024, 1024, 16, 2
+    if not args.replan and not args.cuda and not args.tiny:
+        parser.error("no CUDA device here: run on the GPU machine, or pass --tiny")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
     out_path = Path(args.out)
     if args.replan:
         return replan(out_path, args)
-    if not args.cuda and not args.tiny:
-        parser.error("no CUDA device here: run on the GPU machine, or pass --tiny")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    results: dict = {
-        "args": {k: v for k, v in vars(args).items() if k != "out"},
-        "started": time.strftime("%F %T"),
-    }
+    results = measure.new_results(args)
 
     def save():
-        tmp = out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(results, indent=1, default=_jsonable))
-        os.replace(tmp, out_path)
+        measure.write_json(out_path, results, default=_jsonable)
 
     def section(name, fn):
-        t0 = time.perf_counter()
-        try:
+        with measure.section(results, name, tag="mfu"):
             results[name] = fn()
-        except Exception:  # noqa: BLE001 (recorded, the rest still runs)
-            results[name] = {"error": traceback.format_exc()}
-            print(f"[mfu] {name} FAILED:\n{results[name]['error']}", file=sys.stderr, flush=True)
-        print(f"[mfu] {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         save()
 
     section("env", lambda: measure.env_info(args.cuda))
@@ -579,52 +513,14 @@ def main(argv=None) -> int:
     if not args.skip_sdpa:
         section("sdpa", lambda: sdpa_kernels(args.cuda))
 
-    from rlhf_megatron.platform import destroy_distributed, init_distributed, init_model_parallel
-    from rlhf_megatron.platform.multiproc import find_free_port
+    from rlhf_megatron.platform import destroy_distributed
 
-    init_distributed(0, 1, "127.0.0.1", find_free_port())
-    init_model_parallel(1, 1, seed=1)
+    measure.init_one_rank()
     args.default_deterministic = torch.are_deterministic_algorithms_enabled()
     results["env"]["deterministic_after_init"] = args.default_deterministic
     variants = [{**BASE, **v} for v in VARIANTS if args.only is None or v["name"] in args.only]
     with tempfile.TemporaryDirectory(prefix="mfu_model_") as tmp:
-        longest = max(sum((v["shape"] or (args.prompt, args.response))[:2]) for v in variants)
-        model_dirs: dict[str, str] = {}
-
-        def model_dir_of(name: str) -> str:
-            """The checkpoint of model ``name``, written when first needed."""
-            if name not in model_dirs:
-                path = Path(tmp) / name
-                results.setdefault("models", {})[name] = measure.write_model(
-                    path, measure.MODELS[name], args.cuda, max(8192, longest)
-                )
-                model_dirs[name] = str(path)
-            return model_dirs[name]
-
-        results["variants"] = {}
-        for v in variants:
-            elapsed = time.perf_counter() - start
-            if elapsed > args.budget_s:
-                results["variants"][v["name"]] = {
-                    "skipped": f"budget: {elapsed:.0f} s > {args.budget_s:.0f} s"
-                }
-                continue
-            t0 = time.perf_counter()
-            try:
-                model = "tiny" if args.tiny else v["model"]
-                results["variants"][v["name"]] = run_variant(args, model_dir_of(model), v)
-            except Exception:  # noqa: BLE001 (recorded)
-                results["variants"][v["name"]] = {"variant": v, "error": traceback.format_exc()}
-                print(f"[mfu] {v['name']} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-                _free_megatron_buffers()
-                gc.collect()
-                if args.cuda:
-                    torch.cuda.empty_cache()
-            print(
-                f"[mfu] {v['name']}: {time.perf_counter() - t0:.1f} s {_line(results['variants'][v['name']])}",
-                flush=True,
-            )
-            save()
+        model_dirs = run_variants(args, variants, Path(tmp), results, save, start)
         runs = results["variants"]
         section(
             "padded_log_probs", lambda: compare_log_probs(runs, "after_padded_rows", "after_padded", args)
@@ -633,11 +529,50 @@ def main(argv=None) -> int:
     for run in results["variants"].values():
         run.pop("first_log_probs", None)
     destroy_distributed()
-    results["finished"] = time.strftime("%F %T")
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
     save()
     print(summary(results), flush=True)
     return 0
+
+
+def run_variants(args, variants: list[dict], tmp: Path, results: dict, save, start: float) -> dict[str, str]:
+    """Each variant in turn into ``results["variants"]`` (``save()``-d after each; a failure is recorded
+    and the rest still run), skipping those that start ``--budget-s`` after ``start``. Returns the
+    checkpoints: model name -> directory under ``tmp``, each written when first needed."""
+    longest = max(sum((v["shape"] or (args.prompt, args.response))[:2]) for v in variants)
+    model_dirs: dict[str, str] = {}
+
+    def model_dir_of(name: str) -> str:
+        if name not in model_dirs:
+            path = tmp / name
+            results.setdefault("models", {})[name] = measure.write_model(
+                path, measure.MODELS[name], args.cuda, max(8192, longest)
+            )
+            model_dirs[name] = str(path)
+        return model_dirs[name]
+
+    results["variants"] = {}
+    for v in variants:
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            results["variants"][v["name"]] = {"skipped": f"budget: {elapsed:.0f} s > {args.budget_s:.0f} s"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            model = "tiny" if args.tiny else v["model"]
+            results["variants"][v["name"]] = run_variant(args, model_dir_of(model), v)
+        except Exception:  # noqa: BLE001 (recorded)
+            results["variants"][v["name"]] = {"variant": v, "error": traceback.format_exc()}
+            print(f"[mfu] {v['name']} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            _free_megatron_buffers()
+            measure.free_memory(args.cuda)
+        print(
+            f"[mfu] {v['name']}: {time.perf_counter() - t0:.1f} s {_line(results['variants'][v['name']])}",
+            flush=True,
+        )
+        save()
+    return model_dirs
 
 
 def replan(path: Path, args) -> int:
@@ -662,8 +597,8 @@ def replan(path: Path, args) -> int:
             dirs[name] = str(Path(tmp) / name)
             measure.llama_config(model["shape"], longest).save_pretrained(dirs[name])
         results["planner"] = planner(args, dirs, results["variants"])
-    results["planner"]["recomputed"] = time.strftime("%F %T")
-    path.write_text(json.dumps(results, indent=1, default=_jsonable))
+    results["planner"]["recomputed"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    measure.write_json(path, results, default=_jsonable)
     print(summary(results), flush=True)
     return 0
 
@@ -677,18 +612,11 @@ def _jsonable(x):
 def _line(run: dict) -> str:
     if "update" not in run:
         return (run.get("skipped") or run.get("error", "?"))[-300:]
-    u = run["update"]
-    return f"update {u['median_s']:.3f} s {u['tokens_per_s']:.0f} tok/s MFU {u['mfu']:.3f} peak {u['peak_allocated_gib']} GiB"
+    return f"update {measure.phase_line(run['update'])}"
 
 
 def summary(results: dict) -> str:
-    env, c = results.get("env", {}), results.get("ceilings", {})
-    lines = [
-        "",
-        "== summary ==",
-        f"device {env.get('device', 'cpu')}  torch {env.get('torch')}  megatron-core {env.get('megatron_core')}",
-        f"ceilings: copy {c.get('copy_gb_per_s')} GB/s, bf16 matmul {c.get('matmul_tflops')} TFLOP/s",
-    ]
+    lines = ["", "== summary ==", measure.device_line(results), measure.ceilings_line(results)]
     sdpa = results.get("sdpa", {})
     for case in ("causal_gqa", "causal_expanded", "mask_gqa", "mask_expanded"):
         e = sdpa.get(case, {}).get("default", {})
