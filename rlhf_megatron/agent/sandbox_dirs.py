@@ -70,8 +70,11 @@ def _other_pythons(lib: str) -> list[str]:
     except OSError:
         return []
     if lib in _stdlib_dirs():
-        return [os.path.join(lib, n) for n in names if n in ("site-packages", "dist-packages")]
-    return [os.path.join(lib, n) for n in names if n.startswith("python")]
+        names = [n for n in names if n in ("site-packages", "dist-packages")]
+    else:
+        names = [n for n in names if n.startswith("python")]
+    # Resolved: a symlinked entry is covered (and compared with what must stay visible) as its target.
+    return [os.path.realpath(os.path.join(lib, n)) for n in names]
 
 
 def _library_dirs() -> list[str]:
@@ -89,7 +92,8 @@ def read_allowlist(site_dirs: tuple[str, ...] = ()) -> tuple[str, ...]:
     for lib in _library_dirs():
         left_out = set(_other_pythons(lib))
         with contextlib.suppress(OSError):
-            paths += [os.path.join(lib, n) for n in os.listdir(lib) if os.path.join(lib, n) not in left_out]
+            entries = [os.path.join(lib, n) for n in os.listdir(lib)]
+            paths += [e for e in entries if os.path.realpath(e) not in left_out]
     paths += (os.path.realpath(d) for d in site_dirs)
     paths += _SYSTEM_READ
     return tuple(dict.fromkeys(p for p in paths if os.path.exists(p)))
