@@ -346,3 +346,15 @@ def test_disk_limit_and_site_packages_reach_the_sandbox():
         assert status == "error" and "No module named 'numpy'" in response.text
     finally:
         tool.close()
+
+
+def test_the_driver_prints_the_sandbox_layers_once_when_it_checks_the_tool_config(capsys):
+    """Validation builds the tools on the driver before any worker starts; a code interpreter
+    there prints which sandbox layers hold (what the run will use), on stderr."""
+    from rlhf_megatron.config.schema_roles import MultiTurnConfig
+    from rlhf_megatron.config.validate import _tool_config_problems
+
+    assert _tool_config_problems(MultiTurnConfig(enable=True, tool_config_path=str(CONFIG))) == []
+    err = capsys.readouterr().err
+    assert err.count("code_interpreter: sandbox layers: ") == 1
+    assert err.strip().endswith(f"missing: {', '.join(code_interpreter_module.missing_layers()) or 'none'}")
