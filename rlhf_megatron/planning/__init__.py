@@ -11,9 +11,25 @@ parameter counts) and checks the rules that relate the layout to it (``validate.
 the memory plan.
 
 Boundaries: reads configs and ``config.json`` files; no process, device, Ray or vLLM.
+``load_config`` and ``validate_config`` are imported on first use: a worker that imports
+``planning.model_arch`` does not pay for the search, the planner and the cost model.
 """
 
-from rlhf_megatron.planning.load import load_config
-from rlhf_megatron.planning.validate import validate_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf_megatron.planning.load import load_config
+    from rlhf_megatron.planning.validate import validate_config
 
 __all__ = ["load_config", "validate_config"]
+
+_LAZY = {"load_config": "rlhf_megatron.planning.load", "validate_config": "rlhf_megatron.planning.validate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
