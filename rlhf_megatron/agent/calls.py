@@ -319,9 +319,7 @@ async def _execute(
         arguments, problem = _call_arguments(tool, call)
     except Exception as err:  # validating hostile arguments must not end the rollout either
         arguments, problem = None, f"the arguments of the call cannot be checked ({type(err).__name__})"
-    if problem:
-        if problem.startswith("Error: unknown tool"):
-            return ToolResponse(text=problem), None, {}, "error"
+    if problem:  # an unknown tool's message is a whole "Error: ..." already; _error keeps it
         return _error(problem), None, {}, "error"
     try:
         pending = tool.execute(instance_id, arguments, **execute_kwargs)

@@ -396,7 +396,7 @@ def _run_child(params: dict, timeout_s: float, max_output_bytes: int) -> Sandbox
     with open(params_path, "wb") as f:
         f.write(marshal.dumps(params))
     with _BOOT_LOCK:  # the first calls may come from several of the tool's threads at once
-        boot = _bootstrap_code(os.path.dirname(os.path.dirname(params["workdir"])))
+        boot = _bootstrap_code(sandbox_parent())
     loader = (
         "import marshal\n"
         f"with open({boot!r}, 'rb') as f: exec(marshal.loads(f.read()))\n"
