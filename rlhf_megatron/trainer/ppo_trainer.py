@@ -232,12 +232,13 @@ class PPOTrainer:
             with timer("update_critic"):
                 metrics.update(mean_over_ranks(self.critic.call.update_critic(batch, step)))
         if step > self.cfg.trainer.critic_warmup:
-            weights = self._update_actor(batch, step, timer, metrics)
+            prefetch = not self._sync_point(step)  # the next step's generation may be queued ahead
+            weights = self._update_actor(batch, step, prefetch, timer, metrics)
             # The new weights into the rollout engine, timed as a phase of its own (submitted behind
             # the update already on the colocated sync schedule; else now, or once the rollout is
             # idle or needs them).
             with timer("sync_weights"):
-                weights = weights or self.rollouts.update_weights(step, prefetch=not self._sync_point(step))
+                weights = weights or self.rollouts.update_weights(step, prefetch)
                 metrics.update(weights())
         seconds = time.perf_counter() - start
         metrics.update(timer.metrics(self.t0), **{"timing_s/step": seconds})
@@ -356,12 +357,12 @@ class PPOTrainer:
         return batch
 
     def _update_actor(
-        self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
+        self, batch: Batch, step: int, prefetch: bool, timer: StepTimer, metrics: dict[str, Any]
     ) -> Callable[[], dict[str, float]] | None:
         """The actor's update. Colocated sync schedule: the new weights go to the rollout engine
         right behind it (returned: the wait), so they and the next step's generation wait on the
-        workers behind the update, not for the driver to read the update's result first."""
-        prefetch = not self._sync_point(step)
+        workers behind the update, not for the driver to read the update's result first.
+        ``prefetch``: no validation or checkpoint follows the step (``update_weights`` says more)."""
         with timer("update_actor"):
             update = self.actor.submit.update_actor(batch, step)
             if prefetch:  # the next step's prompts, loaded while the actor trains
