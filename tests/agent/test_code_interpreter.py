@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from sandbox_checks import sandboxes_in
 
 from rlhf_megatron.agent import OpenAIFunctionCallSchema, ToolConfigError, load_tools, run_tool_call
 from rlhf_megatron.agent.sandbox import sandbox_layers
@@ -26,35 +26,11 @@ from rlhf_megatron.agent.tools import code_interpreter as code_interpreter_modul
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tools" / "code_interpreter.yaml"
 
 
-def _children() -> set[int]:
-    me, children = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        children.add(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return children
-
-
 @pytest.fixture(autouse=True)
 def sandbox_tmp(tmp_path, monkeypatch):
     """The sandboxes' temporary directory for this test; nothing may be left in it afterwards."""
-    root = tmp_path / "sandboxes"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    children, fds = _children(), set(os.listdir("/proc/self/fd"))
-    yield root
-    # Only <tmp>/rlhf-sandboxes-<uid>/<this process> (and its compiled bootstrap) may stay, until
-    # the process exits.
-    left = [
-        p for p in root.rglob("*") if len(p.relative_to(root).parts) > 2 and p.name != "bootstrap.marshal"
-    ]
-    assert left == [], "a sandbox directory was left behind"
-    assert _children() - children == set(), "a sandbox process was left behind"
-    assert set(os.listdir("/proc/self/fd")) - fds == set(), "a file descriptor was left open"
+    with sandboxes_in(tmp_path, monkeypatch) as root:
+        yield root
 
 
 # Layers this machine lacks (none as root on Linux >= 5.13, x86_64): the tests of the tool's

@@ -12,53 +12,23 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 
 import pytest
+from sandbox_checks import sandboxes_in
 
 from rlhf_megatron.agent.sandbox import STATUSES, SandboxResult, run_python, sandbox_layers
 
 PROCESSES = "starting processes is not allowed in this sandbox"
 
 
-def _children() -> set[int]:
-    """The pids whose parent is this process (Linux /proc)."""
-    me, children = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == me:
-                children.add(int(entry))
-    return children
-
-
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 @pytest.fixture(autouse=True)
 def sandbox_tmp(tmp_path, monkeypatch):
     """The sandboxes' temporary directory for this test; checks nothing is left afterwards."""
-    root = tmp_path / "sandboxes"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    children, fds = _children(), _fds()
-    yield root
-    # Only <tmp>/rlhf-sandboxes-<uid>/<this process> (and its compiled bootstrap) may stay, until
-    # the process exits.
-    left = [
-        p for p in root.rglob("*") if len(p.relative_to(root).parts) > 2 and p.name != "bootstrap.marshal"
-    ]
-    assert left == [], "a sandbox directory was left behind"
-    assert _children() - children == set(), "a sandbox process was left behind"
-    assert _fds() - fds == set(), "a file descriptor was left open"
+    with sandboxes_in(tmp_path, monkeypatch) as root:
+        yield root
 
 
 def _assert_gone(result: SandboxResult) -> None:

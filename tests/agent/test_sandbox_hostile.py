@@ -27,6 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from sandbox_checks import sandboxes_in
 
 from rlhf_megatron.agent import ToolConfigError
 from rlhf_megatron.agent.calls import MAX_CALL_CHARS, parse_hermes, run_tool_call
@@ -54,19 +55,6 @@ needs_quota = pytest.mark.skipif(
 DENIED = "PermissionError: [Errno 13] Permission denied"
 
 
-def _children() -> set[int]:
-    me, children = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        children.add(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return children
-
-
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -74,9 +62,6 @@ def _digest(path: Path) -> str:
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     """Paths the code must not read, and the checks that nothing on the host changed."""
-    sandboxes = tmp_path / "sandboxes"
-    sandboxes.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(sandboxes))
     answers = tmp_path / "outputs" / "data" / "tool_mult" / "train.parquet"
     answers.parent.mkdir(parents=True)
     pq.write_table(pa.table({"prompt": ["82*57"], "ground_truth": ["4674"]}), answers)
@@ -86,7 +71,6 @@ def host(tmp_path, monkeypatch):
     in_home.write_text("home secret 4674")
     watched = [answers, in_tmp, in_home, CHECKOUT / "README.md"]
     before = {p: (_digest(p), p.stat().st_mtime_ns) for p in watched}
-    children, fds = _children(), set(os.listdir("/proc/self/fd"))
     paths = {
         "answers": str(answers),
         "tmp": str(in_tmp),
@@ -96,16 +80,9 @@ def host(tmp_path, monkeypatch):
         "data_dir": str(answers.parent),
     }
     try:
-        yield paths
-        assert {p: (_digest(p), p.stat().st_mtime_ns) for p in watched} == before, "a host file changed"
-        left = [
-            p
-            for p in sandboxes.rglob("*")
-            if len(p.relative_to(sandboxes).parts) > 2 and p.name != "bootstrap.marshal"
-        ]
-        assert left == [], f"sandbox files were left behind: {left[:3]}"
-        assert _children() - children == set(), "a sandbox process was left behind"
-        assert set(os.listdir("/proc/self/fd")) - fds == set(), "a file descriptor was left open"
+        with sandboxes_in(tmp_path, monkeypatch):
+            yield paths
+            assert {p: (_digest(p), p.stat().st_mtime_ns) for p in watched} == before, "a host file changed"
     finally:
         in_tmp.unlink()
         in_home.unlink()

@@ -1,0 +1,45 @@
+"""The sandbox tests' shared check that a test left nothing behind: ``sandboxes_in(tmp_path)``.
+
+Points the sandboxes' temporary directory at ``<tmp_path>/sandboxes`` for one test and, after
+it, asserts that no sandbox directory, child process or open file descriptor of this process is
+left (only ``<tmp>/rlhf-sandboxes-<uid>/<this process>`` and its compiled bootstrap may stay,
+until the process exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def children() -> set[int]:
+    """The pids whose parent is this process (Linux /proc)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == me:
+                found.add(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def sandboxes_in(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    before, fds = children(), set(os.listdir("/proc/self/fd"))
+    yield root
+    left = [
+        p for p in root.rglob("*") if len(p.relative_to(root).parts) > 2 and p.name != "bootstrap.marshal"
+    ]
+    assert left == [], f"a sandbox directory was left behind: {left[:3]}"
+    assert children() - before == set(), "a sandbox process was left behind"
+    assert set(os.listdir("/proc/self/fd")) - fds == set(), "a file descriptor was left open"
