@@ -31,7 +31,7 @@ from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "recovery/")
 EXTRA = REFERENCE_STEPS
-BOUND_S = 300  # a fault must be reported well within this (start-up included; a loaded CI machine)
+REPORT_S = 120  # a worker's death must end the run, reported, within this (a loaded CI machine)
 DEADLINE_S = 60  # trainer.step_timeout_s of the in-job recovery run
 
 
@@ -103,19 +103,27 @@ def test_workers_then_the_driver_killed_are_reported_and_each_resume_matches(
     in the middle of step 3's save. Each worker death is reported by role, rank and call; each
     restart redoes the lost step from the last complete checkpoint; the records at the end equal
     the uninterrupted run's."""
-    run = tmp_path / "run"
+    run, once = tmp_path / "run", tmp_path / "once"
+    once.mkdir()
     # Worker fault points count the updates of their process: a resumed run's second is step 3.
     deaths = [("gen:2:0", 0, "generate_sequences", [1]), ("sync:2:1", 1, "update_weights", [1, 2])]
     for fault, rank, method, logged in deaths:
-        start, shm_before = time.monotonic(), shm_names()
+        shm_before = shm_names()
         proc, records = run_train(
-            "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA), env={"RLHF_FAULT": fault}
+            "quickstart_cpu",
+            train_overrides(tiny_run_inputs, run, **EXTRA),
+            env={"RLHF_FAULT": fault, "RLHF_FAULT_ONCE_DIR": str(once)},
         )
         assert proc.returncode != 0
         assert f"[actor] rank {rank}" in proc.stderr and f"process died during {method}" in proc.stderr, (
             proc.stderr[-3000:]
         )
-        assert time.monotonic() - start < BOUND_S
+        # The dying worker created the entry's file in the once-directory just before SIGKILL: the
+        # time from the death to the run's end, start-up excluded, is what a user waits.
+        reported_after = time.time() - (once / fault).stat().st_mtime
+        assert reported_after < REPORT_S, (
+            f"the death of rank {rank} ended the run only after {reported_after:.0f} s"
+        )
         # vLLM's TP shared memory (broadcast ring, CPU all-reduce) is unlinked once mapped, so the
         # killed workers left nothing in /dev/shm for the restart to collide with.
         assert left_behind(shm_before) == set()
@@ -295,7 +303,7 @@ def test_reward_function_that_raises_stops_the_run_naming_function_and_row(tiny_
 
 def test_reward_hang_nan_and_error_are_zeroed_counted_and_bounded(tiny_run_inputs, tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD_FNS)
-    start = time.monotonic()
+    # The hang lasts as long as run_train's timeout: only reward.timeout_s ends the run in time.
     proc, records = run_train(
         "quickstart_cpu",
         train_overrides(
@@ -312,6 +320,5 @@ def test_reward_hang_nan_and_error_are_zeroed_counted_and_bounded(tiny_run_input
         ),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert time.monotonic() - start < BOUND_S, "a hanging reward function must not hang the run"
     (record,) = records
     assert record["reward/timeouts"] == 1 and record["reward/errors"] == 2, json.dumps(record)[:2000]
