@@ -13,10 +13,11 @@ Modules:
     grouping         prompt-group ids and per-group statistics
     adv_registry     estimator registry and ``compute_advantage`` dispatch
     advantages       GAE, REINFORCE++, ReMax
-    group_advantages GRPO (+ Dr. GRPO, Pass@k), RLOO, REINFORCE++-baseline
+    group_advantages GRPO (+ Dr. GRPO, Pass@k), RLOO, REINFORCE++-baseline, OPO, GPG
     kl               KL estimators, fixed / adaptive controllers, in-reward penalty
     losses           ``agg_loss``, value loss, entropy
     policy_losses    policy-loss registry: vanilla PPO, GSPO, KL-Cov
+    policy_loss_variants  CISPO, SAPO, GPG, DRO, GMPO, Clip-Cov, DPPO-TV/KL (verl's names)
     rollout_correction truncated importance weights rollout -> actor (TIS); the driver's batch call
     reward_loss      the reward model's pairwise (Bradley-Terry) loss
 """
@@ -35,8 +36,10 @@ from rlhf_megatron.algorithms.advantages import (
     compute_remax_outcome_advantage,
 )
 from rlhf_megatron.algorithms.group_advantages import (
+    compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
     compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
@@ -54,6 +57,16 @@ from rlhf_megatron.algorithms.losses import (
     compute_entropy_loss,
     compute_value_loss,
     entropy_from_logits,
+)
+from rlhf_megatron.algorithms.policy_loss_variants import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_sapo,
 )
 from rlhf_megatron.algorithms.policy_losses import (
     POLICY_LOSS_REGISTRY,
@@ -86,10 +99,20 @@ __all__ = [
     "compute_advantage",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_opo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_kl_cov",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",

@@ -1,4 +1,5 @@
-"""Group-relative outcome estimators: GRPO, Dr. GRPO, Pass@k GRPO, RLOO, REINFORCE++-baseline.
+"""Group-relative outcome estimators: GRPO, Dr. GRPO, Pass@k GRPO, RLOO, REINFORCE++-baseline,
+OPO and GPG (``grpo_vectorized``/``rloo_vectorized``: verl's names for the same GRPO/RLOO math).
 
 Role: each response gets one score (the sum of its token rewards over the response
 mask). Its advantage compares that score with the other responses to the same prompt
@@ -21,7 +22,9 @@ from rlhf_megatron.algorithms.grouping import group_ids, group_stats
 from rlhf_megatron.algorithms.utils import check_ndim, check_values_and_mask, masked_whiten
 
 __all__ = [
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_opo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_rloo_outcome_advantage",
@@ -43,6 +46,7 @@ def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor, like: torc
     return torch.where(response_mask != 0, out, torch.zeros_like(like))
 
 
+@register_adv_estimator("grpo_vectorized")  # verl's name for its vectorised GRPO: same math
 @register_adv_estimator("grpo")
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -131,6 +135,7 @@ def compute_grpo_passk_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_estimator("rloo_vectorized")  # verl's name for its vectorised RLOO: same math
 @register_adv_estimator("rloo")
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -200,4 +205,82 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         centred = (scores.to(torch.float64) - stats.mean).unsqueeze(-1).expand(valid.shape)  # (B, T)
         whitened = masked_whiten(centred, response_mask)  # float64: exact-ish batch statistics
         advantages = torch.where(valid, whitened, torch.zeros_like(whitened)).to(token_level_rewards.dtype)
+    return advantages, advantages
+
+
+@register_adv_estimator("opo")
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, arXiv:2505.23585): the optimal baseline for on-policy sequences.
+
+    ``score - b`` with ``b = sum_j len_j * score_j / sum_j len_j`` over the prompt's group
+    (``len`` the response's valid-token count): the length-weighted mean score, which minimises
+    the gradient's variance when every token carries the sequence's advantage. A group of one
+    gets ``b = 0``. No std normalisation.
+
+    Args:
+        token_level_rewards: (B, T) floating.
+        response_mask: (B, T).
+        index: (B,) prompt id per response.
+        epsilon: unused; kept so every group estimator shares verl's signature.
+
+    Returns:
+        advantages: (B, T)
+        returns: (B, T) same tensor as advantages.
+    """
+    where = "compute_opo_outcome_advantage"
+    del epsilon
+    with torch.no_grad():
+        scores = _scores(where, token_level_rewards, response_mask).to(torch.float64)  # (B,)
+        inverse, counts = group_ids(index, token_level_rewards.shape, where)
+        inv = inverse.to(scores.device)
+        lengths = (response_mask != 0).sum(-1).to(torch.float64)  # (B,)
+        groups = torch.zeros(len(counts), dtype=torch.float64, device=scores.device)
+        weighted = groups.index_add(0, inv, lengths * scores)[inv]  # (B,) group's sum of len * score
+        total_len = groups.index_add(0, inv, lengths)[inv]  # (B,)
+        size = groups.index_add(0, inv, torch.ones_like(scores))[inv]
+        baseline = torch.where(size > 1, weighted / total_len.clamp(min=1), torch.zeros_like(scores))
+        advantages = _broadcast(scores - baseline, response_mask, token_level_rewards)
+    return advantages, advantages
+
+
+@register_adv_estimator("gpg")
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    f_norm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, arXiv:2504.02546): group-centred score, rescaled for empty groups.
+
+    ``alpha * (score - group_mean) / f_norm`` with ``alpha = B / max(1, #responses whose score
+    is non-zero)`` over the whole batch: the gradient a batch with many zero-reward responses
+    would lose is scaled back up. A group of one keeps its raw score (times ``alpha``). Pair it
+    with ``actor.policy_loss.loss_mode=gpg``.
+
+    Args:
+        token_level_rewards: (B, T) floating.
+        response_mask: (B, T).
+        index: (B,) prompt id per response.
+        epsilon: unused; kept so every group estimator shares verl's signature.
+        f_norm: divisor of the advantage (verl's default 1).
+
+    Returns:
+        advantages: (B, T)
+        returns: (B, T) same tensor as advantages.
+    """
+    where = "compute_gpg_outcome_advantage"
+    del epsilon
+    with torch.no_grad():
+        scores = _scores(where, token_level_rewards, response_mask)  # (B,)
+        inverse, counts = group_ids(index, token_level_rewards.shape, where)
+        stats = group_stats(scores, inverse, len(counts))
+        alpha = scores.numel() / max(1, int(torch.count_nonzero(scores)))
+        adv = alpha * (scores.to(torch.float64) - stats.mean) / f_norm  # (B,)
+        advantages = _broadcast(adv, response_mask, token_level_rewards)
     return advantages, advantages

@@ -36,7 +36,9 @@ __all__ = [
     "kl_penalty",
 ]
 
-KL_PENALTY_NAMES: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+_BASE_KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+# ``<name>+``: the estimator's value with k2's gradient (straight through); not for ``full``.
+KL_PENALTY_NAMES: tuple[str, ...] = (*_BASE_KL_NAMES, *(f"{n}+" for n in _BASE_KL_NAMES if n != "full"))
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -48,6 +50,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     ``low_var_kl``/``k3``: ``exp(ref - lp) - (ref - lp) - 1``, clamped to [-10, 10]
     (non-negative, low variance).
     ``full``: exact ``sum_v p_v (lp_v - ref_v)`` from full-vocabulary log-probs.
+    ``<name>+`` (e.g. ``low_var_kl+``): the value of ``<name>`` with the gradient of k2,
+    ``value + k2 - sg(k2)`` (k1 and k3 are unbiased for the KL's value but not for its gradient;
+    k2's gradient ``lp - ref`` is). ``k2+``/``mse+`` are k2 itself.
 
     Args:
         logprob: (B, T) log-prob of the sampled token under the policy; for ``full``,
@@ -67,8 +72,18 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     check_floating(where, "ref_logprob", ref_logprob)
     check_same_shape(where, "logprob", logprob, "ref_logprob", ref_logprob)
     check_same_dtype(where, "logprob", logprob, "ref_logprob", ref_logprob)
+    if kl_penalty.endswith("+"):
+        value = _kl_estimate(logprob, ref_logprob, kl_penalty[:-1])  # (B, T)
+        k2 = 0.5 * (logprob - ref_logprob).square()
+        return value.detach() + (k2 - k2.detach())
+    return _kl_estimate(logprob, ref_logprob, kl_penalty)
+
+
+def _kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """``kl_penalty`` for a name without ``+`` (inputs already checked): value and gradient of
+    the estimator itself. Shapes as ``kl_penalty``."""
     if kl_penalty == "full":
-        check_ndim(where, "logprob", logprob, 3, "(B, T, V) for kl_penalty='full'")
+        check_ndim("kl_penalty", "logprob", logprob, 3, "(B, T, V) for kl_penalty='full'")
         # KL(p || ref) = sum_v p_v * (log p_v - log ref_v); exp of a log-softmax is p.
         return (logprob.exp() * (logprob - ref_logprob)).sum(-1)
     diff = logprob - ref_logprob

@@ -7,9 +7,14 @@ asynchronously, by weight version, so the PPO update is off-policy. Multiplying 
 policy-gradient loss by ``w = pi_old / pi_rollout``, capped at a threshold (truncated IS, verl's
 ``algorithm.rollout_correction.rollout_is``), corrects that with bounded variance.
 
+A threshold ``"lo_hi"`` turns truncation into IcePop: weights outside [lo, hi] become 0 (those
+tokens stop learning) and the others keep their value. Rejection sampling (``rollout_rs``,
+``rollout_rejection``) instead removes tokens from ``response_mask``.
+
 ``compute_rollout_is_weights`` is the math on tensors; ``apply_rollout_correction`` is the
 driver's one call after the old-log-prob pass: it reads the batch's log-probs and writes
-``rollout_is_weights`` [B, R], which the policy losses multiply in (``policy_losses``).
+``rollout_is_weights`` [B, R], which the policy losses multiply in (``policy_losses``), and, with
+``rollout_rs``, a narrowed ``response_mask``.
 
 Boundaries: pure tensor math, no torch.distributed. The driver holds the whole step's batch, so
 the batch normalisation and the metrics cover every DP rank's rows without a reduction.
@@ -22,6 +27,11 @@ from typing import Protocol
 
 import torch
 
+from rlhf_megatron.algorithms.rollout_rejection import (
+    compute_offpolicy_metrics,
+    compute_rollout_rejection_mask,
+    parse_rollout_is_threshold,
+)
 from rlhf_megatron.algorithms.utils import check_ndim, check_values_and_mask
 from rlhf_megatron.choices import RolloutIsLevel
 
@@ -31,8 +41,10 @@ class RolloutCorrectionSettings(Protocol):
     ``RolloutCorrectionConfig``; config sits above algorithms, so it is described, not imported)."""
 
     rollout_is: str | None
-    rollout_is_threshold: float
+    rollout_is_threshold: float | str
     rollout_is_batch_normalize: bool
+    rollout_rs: str | None
+    rollout_rs_threshold: float | str | None
 
 
 class Columns(Protocol):
@@ -58,7 +70,9 @@ METRIC_PREFIX = "rollout_corr/"
 BATCH_KEYS = ("old_log_probs", "rollout_log_probs", "response_mask")
 
 
-def _weight_metrics(raw: torch.Tensor, truncated: torch.Tensor, threshold: float) -> dict[str, float]:
+def _weight_metrics(
+    raw: torch.Tensor, truncated: torch.Tensor, threshold: float, lower: float | None = None
+) -> dict[str, float]:
     """Statistics of one weight per unit (token or sequence). ``raw``, ``truncated``: (N,)."""
     n = raw.numel()
     if n == 0:
@@ -66,15 +80,19 @@ def _weight_metrics(raw: torch.Tensor, truncated: torch.Tensor, threshold: float
     w = truncated.double()
     sum_sq = (w * w).sum()
     ess = float(w.sum() ** 2 / (n * sum_sq)) if sum_sq > 0 else 0.0
-    return {
+    outside = raw > threshold if lower is None else (raw > threshold) | (raw < lower)
+    metrics = {
         f"{METRIC_PREFIX}rollout_is_mean": float(w.mean()),
         f"{METRIC_PREFIX}rollout_is_std": float(w.std(correction=0)),
         f"{METRIC_PREFIX}rollout_is_min": float(w.min()),
         f"{METRIC_PREFIX}rollout_is_max": float(w.max()),
         f"{METRIC_PREFIX}rollout_is_max_raw": float(raw.double().max()),
-        f"{METRIC_PREFIX}rollout_is_clipped_frac": float((raw > threshold).double().mean()),
+        f"{METRIC_PREFIX}rollout_is_clipped_frac": float(outside.double().mean()),
         f"{METRIC_PREFIX}rollout_is_eff_sample_size": ess,
     }
+    if lower is not None:
+        metrics[f"{METRIC_PREFIX}rollout_is_oob_ratio"] = float(outside.double().mean())
+    return metrics
 
 
 def compute_rollout_is_weights(
@@ -82,7 +100,7 @@ def compute_rollout_is_weights(
     rollout_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is: str = "token",
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: float | str = 2.0,
     rollout_is_batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated importance weights ``min(pi_old / pi_rollout, threshold)``, one per token.
@@ -98,7 +116,8 @@ def compute_rollout_is_weights(
         rollout_log_probs: (B, R) the rollout engine's log-probs of the same tokens.
         response_mask: (B, R) 1 on response tokens; entries elsewhere may hold anything.
         rollout_is: ``token`` or ``sequence``.
-        rollout_is_threshold: the cap, > 0.
+        rollout_is_threshold: the cap, > 0; or ``"lo_hi"`` (IcePop): weights outside [lo, hi]
+            become 0, the rest keep their value.
         rollout_is_batch_normalize: rescale to mean 1 over valid tokens.
 
     Returns:
@@ -108,16 +127,14 @@ def compute_rollout_is_weights(
             ``rollout_is_mean``/``_std``/``_min``/``_max``, ``rollout_is_max_raw`` (before the
             cap), ``rollout_is_clipped_frac`` (share of units capped) and
             ``rollout_is_eff_sample_size`` (``(sum w)^2 / (n * sum w^2)``, in (0, 1]); with
-            normalisation also ``rollout_is_batch_norm_factor`` (the mean divided out). Empty
-            when no token is valid.
+            normalisation also ``rollout_is_batch_norm_factor`` (the mean divided out); with IcePop
+            ``rollout_is_oob_ratio`` (share of units outside [lo, hi], counted in
+            ``rollout_is_clipped_frac`` too). Empty when no token is valid.
     """
     where = "compute_rollout_is_weights"
     if rollout_is not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"{where}: rollout_is={rollout_is!r} is not one of: {', '.join(ROLLOUT_IS_LEVELS)}")
-    if not rollout_is_threshold > 0:
-        raise ValueError(
-            f"{where}: rollout_is_threshold must be > 0 (it caps each weight), got {rollout_is_threshold}"
-        )
+    lower, upper = parse_rollout_is_threshold(rollout_is_threshold, f"{where}: rollout_is_threshold")
     check_values_and_mask(
         where,
         {"old_log_probs": old_log_probs, "rollout_log_probs": rollout_log_probs},
@@ -137,41 +154,65 @@ def compute_rollout_is_weights(
             unit_log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
             unit_valid = valid.any(dim=-1, keepdim=True)  # (B, 1)
         raw = torch.exp(unit_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-        truncated = raw.clamp(max=rollout_is_threshold)
-        metrics = _weight_metrics(raw[unit_valid], truncated[unit_valid], rollout_is_threshold)
+        if lower is None:
+            truncated = raw.clamp(max=upper)
+        else:  # IcePop: out-of-band units are masked, in-band ones kept as they are
+            out_of_band = (raw < lower) | (raw > upper)
+            truncated = torch.where(out_of_band, torch.zeros_like(raw), raw)
+        metrics = _weight_metrics(raw[unit_valid], truncated[unit_valid], upper, lower)
         weights = torch.where(valid, truncated.expand_as(log_ratio), zero)  # (B, R)
         if rollout_is_batch_normalize and valid.any():
-            # Every truncated weight is >= exp(-20) > 0, so the mean is positive.
+            # Truncated weights are >= exp(-20) > 0; only IcePop can zero them all.
             factor = weights.sum() / valid.sum()
-            weights = weights / factor
+            if factor > 0:
+                weights = weights / factor
             metrics[f"{METRIC_PREFIX}rollout_is_batch_norm_factor"] = float(factor)
     return weights, metrics
 
 
 def apply_rollout_correction(batch: Columns, cfg: RolloutCorrectionSettings) -> dict[str, float]:
-    """Write ``batch["rollout_is_weights"]`` (B, R) when ``cfg.rollout_is`` is set; return the
-    ``rollout_corr/`` metrics (``{}`` and no change when it is null).
+    """With ``cfg.rollout_is`` set, write ``batch["rollout_is_weights"]`` (B, R); with
+    ``cfg.rollout_rs`` set, narrow ``batch["response_mask"]`` to the tokens every rejection option
+    keeps. Return the ``rollout_corr/`` metrics, the off-policy diagnostics (``training_ppl``,
+    ``chi2_token``, ...) included; ``{}`` and no change when both are null.
 
-    Call after the actor's old-log-prob pass: the weights need ``old_log_probs`` next to the
-    engine's ``rollout_log_probs``.
+    Call after the actor's old-log-prob pass: both need ``old_log_probs`` next to the engine's
+    ``rollout_log_probs``. The weights are computed on the mask before rejection (a rejected
+    token's weight is never used).
     """
-    if cfg.rollout_is is None:
+    if cfg.rollout_is is None and cfg.rollout_rs is None:
         return {}
     missing = [key for key in BATCH_KEYS if key not in batch]
     if missing:
+        which = (
+            f"rollout_is={cfg.rollout_is}" if cfg.rollout_is is not None else f"rollout_rs={cfg.rollout_rs}"
+        )
         raise ValueError(
-            f"algorithm.rollout_correction.rollout_is={cfg.rollout_is} needs {', '.join(missing)} in the batch "
+            f"algorithm.rollout_correction.{which} needs {', '.join(missing)} in the batch "
             f"(rollout_log_probs comes from the rollout engine, old_log_probs from the actor's compute_log_prob; "
             f"apply the correction after that pass), but the batch has: {', '.join(sorted(batch.keys()))}. "
-            "Set algorithm.rollout_correction.rollout_is=null to train without it"
+            "Set algorithm.rollout_correction.rollout_is=null and rollout_rs=null to train without it"
         )
-    weights, metrics = compute_rollout_is_weights(
-        batch["old_log_probs"],
-        batch["rollout_log_probs"],
-        batch["response_mask"],
-        rollout_is=cfg.rollout_is,
-        rollout_is_threshold=cfg.rollout_is_threshold,
-        rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
-    )
-    batch["rollout_is_weights"] = weights
+    old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+    metrics = {
+        f"{METRIC_PREFIX}{name}": value
+        for name, value in compute_offpolicy_metrics(old, rollout, mask).items()
+    }
+    if cfg.rollout_is is not None:
+        weights, is_metrics = compute_rollout_is_weights(
+            old,
+            rollout,
+            mask,
+            rollout_is=cfg.rollout_is,
+            rollout_is_threshold=cfg.rollout_is_threshold,
+            rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
+        )
+        batch["rollout_is_weights"] = weights
+        metrics.update(is_metrics)
+    if cfg.rollout_rs is not None:
+        new_mask, rs_metrics = compute_rollout_rejection_mask(
+            old, rollout, mask, cfg.rollout_rs, cfg.rollout_rs_threshold
+        )
+        batch["response_mask"] = new_mask
+        metrics.update({f"{METRIC_PREFIX}{name}": value for name, value in rs_metrics.items()})
     return metrics

@@ -32,9 +32,28 @@ KNOWN_ADV_ESTIMATORS: tuple[str, ...] = (
     "reinforce_plus_plus_baseline",
     "remax",
     "grpo_passk",
+    "grpo_vectorized",
+    "rloo_vectorized",
+    "opo",
+    "gpg",
 )
-KNOWN_KL_PENALTIES: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
-KNOWN_POLICY_LOSS_MODES: tuple[str, ...] = ("vanilla", "gspo", "kl_cov")
+KNOWN_KL_PENALTIES: tuple[str, ...] = (
+    *("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"),
+    *("kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"),
+)
+KNOWN_POLICY_LOSS_MODES: tuple[str, ...] = (
+    "vanilla",
+    "gspo",
+    "kl_cov",
+    "cispo",
+    "sapo",
+    "gpg",
+    "dro",
+    "geo_mean",
+    "clip_cov",
+    "dppo_tv",
+    "dppo_kl",
+)
 KNOWN_LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "seq-mean-token-sum",
@@ -45,7 +64,16 @@ KNOWN_LOSS_AGG_MODES: tuple[str, ...] = (
 # Estimators whose baseline comes from the other responses to the same prompt: with one
 # response per prompt (rollout.n = 1) every advantage is zero and nothing is learned.
 GROUP_ADV_ESTIMATORS: frozenset[str] = frozenset(
-    {"grpo", "rloo", "grpo_passk", "reinforce_plus_plus_baseline"}
+    {
+        "grpo",
+        "rloo",
+        "grpo_passk",
+        "reinforce_plus_plus_baseline",
+        "grpo_vectorized",
+        "rloo_vectorized",
+        "opo",
+        "gpg",
+    }
 )
 
 # kind -> (attribute of rlhf_megatron.algorithms, fallback)

@@ -68,6 +68,9 @@ def normalize_config(cfg: DictConfig, world_size: int | None = None) -> DictConf
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.load_format in VERL_LOAD_FORMATS:
         rollout.load_format = "hf"
+    corr = cfg.algorithm.rollout_correction
+    if isinstance(corr.rollout_is_threshold, int) and not isinstance(corr.rollout_is_threshold, bool):
+        corr.rollout_is_threshold = float(corr.rollout_is_threshold)  # a number is a cap; "lo_hi" stays text
     replay = cfg.actor_rollout_ref.actor.router_replay
     if replay.mode == "auto":
         replay.mode = "R3" if rollout.name == "vllm" and cfg.trainer.device != "cpu" else "R2"

@@ -272,12 +272,24 @@ class RolloutCorrectionConfig:
     sequence (one weight per response, ``exp(sum over its tokens of old - rollout)``). Needs the
     engine's ``rollout_log_probs`` (vllm and hf both return them)."""
 
-    rollout_is_threshold: float = 2.0
-    """Upper cap on each weight (truncated IS: ``w = min(w, threshold)``); must be > 0."""
+    rollout_is_threshold: Any = 2.0
+    """A number: the cap on each weight (truncated IS, ``w = min(w, threshold)``), > 0. A string
+    ``"lo_hi"`` (e.g. ``"0.5_2.0"``): IcePop, weights outside [lo, hi] become 0 (those tokens stop
+    learning) and the others are kept as they are."""
 
     rollout_is_batch_normalize: bool = False
     """Rescale the truncated weights so that their mean over the batch's valid tokens is 1 (keeps
     the loss scale of token-mean aggregation)."""
+
+    rollout_rs: str | None = None
+    """Rejection sampling: a comma-separated list of token_k1/k2/k3, seq_sum_k1/k2/k3,
+    seq_mean_k1/k2/k3, seq_max_k2/k3 (the divergence rollout -> actor, per token or per response);
+    a token any option rejects leaves ``response_mask``. Null: off. Needs ``rollout_rs_threshold``."""
+
+    rollout_rs_threshold: Any = None
+    """The rejection thresholds: one for every ``rollout_rs`` option or one per option,
+    comma-separated. k1 options take ratio bounds ``"lo_hi"`` (a single ``u`` means ``1/u`` to
+    ``u``); the others one upper bound."""
 
     bypass_mode: bool = False
     """verl's "bypass" (performance) mode: the rollout engine's log-probs of the sampled tokens
@@ -290,21 +302,46 @@ class RolloutCorrectionConfig:
     ``router_replay.mode=R2`` to record routes in (refused)."""
 
     def validate(self, key: str = "algorithm.rollout_correction") -> list[str]:
-        """A positive cap, and no weights to compute in bypass mode. (Whether the rollout engine
-        returns the log-probs the weights need is a cross-section rule, ``validate.py``.)"""
-        out = []
-        if not self.rollout_is_threshold > 0:
-            out.append(
-                f"{key}.rollout_is_threshold={self.rollout_is_threshold} must be > 0: it caps every "
-                "importance weight; set it to e.g. 2.0 (verl's default)"
-            )
+        """A usable threshold (a positive cap or an IcePop band), known rejection options with
+        matching thresholds, and nothing to compute in bypass mode. (Whether the rollout engine
+        returns the log-probs they need is a cross-section rule, ``validate.py``.)"""
+        out = _rollout_threshold_problems(self, key)
         if self.bypass_mode and self.rollout_is is not None:
             out.append(
                 f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
                 f"{key}.rollout_is={self.rollout_is} would weight every token by exp(0) = 1; set "
                 "rollout_is=null with bypass_mode, or bypass_mode=false to correct rollout -> actor"
             )
+        if self.bypass_mode and self.rollout_rs is not None:
+            out.append(
+                f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+                f"{key}.rollout_rs={self.rollout_rs} would measure no divergence and reject nothing; set "
+                "rollout_rs=null with bypass_mode, or bypass_mode=false to reject rollout -> actor outliers"
+            )
         return out
+
+
+def _rollout_threshold_problems(corr: RolloutCorrectionConfig, key: str) -> list[str]:
+    """The threshold grammar, checked by the algorithms' own parsers."""
+    spec = corr.rollout_is_threshold
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and not spec > 0:
+        return [
+            f"{key}.rollout_is_threshold={float(spec)} must be > 0: it caps every importance weight; set it "
+            "to e.g. 2.0 (verl's default), or a 'lo_hi' band such as '0.5_2.0' for IcePop"
+        ]
+    from rlhf_megatron.algorithms.rollout_rejection import parse_rollout_is_threshold, parse_rollout_rs
+
+    out = []
+    try:
+        parse_rollout_is_threshold(spec, f"{key}.rollout_is_threshold")
+    except ValueError as exc:
+        out.append(str(exc))
+    if corr.rollout_rs is not None:
+        try:
+            parse_rollout_rs(corr.rollout_rs, corr.rollout_rs_threshold, key)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 @dataclass
@@ -352,7 +389,9 @@ class AlgorithmConfig:
 
     adv_estimator: str = "gae"
     """Advantage estimator: gae (needs the critic), grpo, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax or grpo_passk."""
+    reinforce_plus_plus_baseline, remax, grpo_passk, opo (length-weighted group baseline) or gpg
+    (pair with policy_loss.loss_mode=gpg); grpo_vectorized and rloo_vectorized are verl's names
+    for grpo and rloo."""
 
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide group-centred scores by the group std (False gives Dr. GRPO)."""

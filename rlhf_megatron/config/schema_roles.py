@@ -73,13 +73,58 @@ class PolicyLossConfig:
     """``actor_rollout_ref.actor.policy_loss``: which policy-gradient loss the actor minimises."""
 
     loss_mode: str = "vanilla"
-    """Name in the algorithms' policy-loss registry (vanilla = clipped PPO with dual clip)."""
+    """Name in the algorithms' policy-loss registry: vanilla (clipped PPO with dual clip), gspo,
+    kl_cov, clip_cov, cispo, sapo, gpg, dro, geo_mean (GMPO), dppo_tv or dppo_kl (verl's names;
+    see the algorithms guide)."""
+
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: share of valid tokens whose gradient is cut; > 0."""
+
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower end of the covariance window of the tokens that may be cut."""
+
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper end of that window."""
+
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: share of valid tokens (the highest covariance) that get the KL penalty; > 0."""
+
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of the ``|log-ratio|`` penalty on those tokens."""
+
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro."""
+
+    def options(self) -> dict[str, float | None]:
+        """The variant options as the policy losses take them (every key but ``loss_mode``)."""
+        return {
+            "clip_cov_ratio": self.clip_cov_ratio,
+            "clip_cov_lb": self.clip_cov_lb,
+            "clip_cov_ub": self.clip_cov_ub,
+            "kl_cov_ratio": self.kl_cov_ratio,
+            "ppo_kl_coef": self.ppo_kl_coef,
+            "dro_beta": self.dro_beta,
+        }
 
     def validate(self, key: str = "actor_rollout_ref.actor.policy_loss") -> list[str]:
-        """``loss_mode`` names a registered policy loss."""
-        return name_problem(
+        """``loss_mode`` names a registered policy loss; the selected loss's options are usable."""
+        out = name_problem(
             f"{key}.loss_mode", self.loss_mode, "policy_loss", "a registered policy loss", True
         )
+        if self.loss_mode == "dro" and (self.dro_beta is None or not self.dro_beta > 0):
+            out.append(
+                f"{key}.dro_beta={self.dro_beta}: {key}.loss_mode=dro needs a positive penalty weight; "
+                f"set {key}.dro_beta (e.g. 0.1)"
+            )
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not getattr(self, name) > 0:
+                out.append(f"{key}.{name}={getattr(self, name)} must be > 0 (verl's default is 0.0002)")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            out.append(
+                f"{key}.clip_cov_lb={self.clip_cov_lb} must be below {key}.clip_cov_ub={self.clip_cov_ub}: "
+                "they bound the covariance window of the tokens clip_cov may cut"
+            )
+        return out
 
 
 @dataclass
@@ -127,7 +172,14 @@ class ActorConfig:
     """Upper clip range (ratio <= 1 + high). Follows ``clip_ratio`` unless set."""
 
     clip_ratio_c: float = 3.0
-    """Dual-clip PPO bound for negative advantages (arXiv:1912.09729); must exceed 1."""
+    """Dual-clip PPO bound for negative advantages (arXiv:1912.09729); must exceed 1. The
+    dppo_tv/dppo_kl losses truncate their ratio at it instead."""
+
+    tau_pos: float = 1.0
+    """SAPO's gate temperature for tokens with a positive advantage (verl's key); > 0."""
+
+    tau_neg: float = 1.05
+    """SAPO's gate temperature for the other tokens; > 0."""
 
     loss_agg_mode: str = "token-mean"
     """How token losses become a scalar: token-mean, seq-mean-token-sum, seq-mean-token-mean
@@ -143,7 +195,9 @@ class ActorConfig:
     """Weight of the KL loss term."""
 
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the loss term: kl/k1, abs, mse/k2, low_var_kl/k3 or full."""
+    """KL estimator for the loss term: kl/k1, abs, mse/k2, low_var_kl/k3 or full. A ``+`` suffix
+    (``low_var_kl+``, ``k1+``, ...) keeps the estimator's value but takes k2's gradient, which is
+    the unbiased gradient of the KL (verl's straight-through trick)."""
 
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
@@ -183,6 +237,9 @@ class ActorConfig:
         )
         if not self.clip_ratio_c > 1.0:
             out.append(f"{key}.clip_ratio_c={self.clip_ratio_c} must be > 1.0 (verl's default is 3.0)")
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:
+                out.append(f"{key}.{name}={getattr(self, name)} must be > 0 (SAPO's gate temperature)")
         out += name_problem(
             f"{key}.loss_agg_mode", self.loss_agg_mode, "loss_agg_mode", "a loss aggregation mode"
         )

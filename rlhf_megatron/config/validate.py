@@ -68,6 +68,12 @@ def check_rollout_correction_engine(ctx: ValidationContext) -> list[str]:
                 f"{key}.bypass_mode=true skips the old-log-prob pass, where router_replay.mode=R2 records "
                 "the routes its updates replay; use mode=R3 (GPU) or bypass_mode=false"
             )
+    if corr.rollout_rs is not None and engine not in ENGINES_WITH_LOG_PROBS:
+        out.append(
+            f"{key}.rollout_rs={corr.rollout_rs} measures the rollout engine's log-probs, which "
+            f"{ROLLOUT}.name={engine!r} does not return; use one of: {', '.join(ENGINES_WITH_LOG_PROBS)}, "
+            f"or set {key}.rollout_rs=null"
+        )
     if corr.rollout_is is not None and engine not in ENGINES_WITH_LOG_PROBS:
         out.append(
             f"{key}.rollout_is={corr.rollout_is} weights tokens by the rollout engine's log-probs, which "

@@ -356,6 +356,9 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         policy_loss = get_policy_loss_fn(actor.policy_loss.loss_mode)
         vocab = self.arch.vocab_size
         mode = actor.loss_agg_mode
+        # The variants' own keys (clip_cov_*, kl_cov_ratio, dro_beta, SAPO's taus); each loss
+        # reads those it names and ignores the rest.
+        options = {**actor.policy_loss.options(), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
 
         def fn(logits, micro):
             resp_logits = response_outputs(logits, micro)  # (b, w, V/tp); w <= R after trimming
@@ -373,6 +376,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 clip_ratio_c=actor.clip_ratio_c,
                 loss_agg_mode=mode,
                 rollout_is_weights=micro.get("rollout_is_weights"),  # (b, R), with rollout correction
+                **options,
             )
             loss = pg_loss
             metrics = {

@@ -16,6 +16,7 @@ from rlhf_megatron.algorithms import (
 from . import reference as ref
 
 F64 = torch.float64
+OPTIONS = {"dro_beta": 0.1}  # the one variant option without a default (dro's); the others ignore it
 
 
 def test_registry_names_and_unknown_name():
@@ -171,9 +172,9 @@ def _random_inputs(seed=2):
 def test_rollout_is_weights_of_one_leave_the_loss_unchanged(name, mode):
     old, new, adv, mask = _random_inputs()
     fn = get_policy_loss_fn(name)
-    plain = fn(old, new, adv, mask, loss_agg_mode=mode)
+    plain = fn(old, new, adv, mask, loss_agg_mode=mode, **OPTIONS)
     (grad,) = torch.autograd.grad(plain[0], new)
-    weighted = fn(old, new, adv, mask, loss_agg_mode=mode, rollout_is_weights=torch.ones_like(old))
+    weighted = fn(old, new, adv, mask, loss_agg_mode=mode, rollout_is_weights=torch.ones_like(old), **OPTIONS)
     (grad_w,) = torch.autograd.grad(weighted[0], new)
     for a, b in zip(plain, weighted):
         torch.testing.assert_close(a.detach(), b.detach())
@@ -189,8 +190,10 @@ def test_rollout_is_weights_scale_each_tokens_loss(name):
     for row, col in [(0, 0), (1, 3), (3, 5)]:
         mask = torch.zeros(4, 6, dtype=F64)
         mask[row, col] = 1
-        plain, *metrics = fn(old, new, adv, mask, loss_agg_mode="token-mean")
-        weighted, *metrics_w = fn(old, new, adv, mask, loss_agg_mode="token-mean", rollout_is_weights=weights)
+        plain, *metrics = fn(old, new, adv, mask, loss_agg_mode="token-mean", **OPTIONS)
+        weighted, *metrics_w = fn(
+            old, new, adv, mask, loss_agg_mode="token-mean", rollout_is_weights=weights, **OPTIONS
+        )
         assert weighted.item() == pytest.approx(weights[row, col].item() * plain.item())
         for a, b in zip(metrics, metrics_w):  # the metrics stay unweighted
             torch.testing.assert_close(a, b)

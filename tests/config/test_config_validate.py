@@ -86,8 +86,8 @@ SECTION_CASES = {
             "algorithm.use_kl_in_reward=true",
         ],
         [
-            "algorithm.adv_estimator='grpoo' is not a registered estimator; known: gae, grpo, grpo_passk, "
-            "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo",
+            "algorithm.adv_estimator='grpoo' is not a registered estimator; known: gae, gpg, grpo, grpo_passk, "
+            "grpo_vectorized, opo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo, rloo_vectorized",
             "algorithm.kl_penalty='k9' is not a KL estimator; known: kl, k1",
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the groups "
             "are filtered before the KL pass",

