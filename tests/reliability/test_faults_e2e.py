@@ -206,19 +206,6 @@ def test_nan_loss_stops_the_run_naming_role_rank_and_step(tiny_run_inputs, tmp_p
     assert not list((tmp_path / "run").glob("global_step_*")), "nothing was checkpointed"
 
 
-def test_nan_loss_is_skipped_and_counted_with_nan_policy_skip(tiny_run_inputs, tmp_path):
-    proc, records = run_train(
-        "quickstart_cpu",
-        train_overrides(tiny_run_inputs, tmp_path / "run", **{"trainer.nan_policy": "skip"}),
-        env={"RLHF_FAULT": "nan:1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = records
-    # 8 prompts / ppo_mini_batch_size 4 = 2 optimizer steps per update, both dropped at step 1.
-    assert first["actor/nan_skipped"] == 2 and first["actor/update_ok"] == 0
-    assert second["actor/nan_skipped"] == 0 and second["actor/update_ok"] == 1
-
-
 PPO = {
     "trainer.total_training_steps": 2,
     "actor_rollout_ref.rollout.n": 1,
@@ -239,21 +226,31 @@ def test_critic_nan_loss_stops_the_run_before_any_update_or_checkpoint(tiny_run_
     assert not list((tmp_path / "run").glob("global_step_*")), "nothing was checkpointed"
 
 
-def test_critic_nan_loss_is_skipped_and_counted_and_the_critic_stays_finite(tiny_run_inputs, tmp_path):
+def test_nan_losses_are_skipped_and_counted_with_nan_policy_skip_and_the_models_stay_finite(
+    tiny_run_inputs, tmp_path
+):
+    """One PPO run with ``trainer.nan_policy=skip``: step 1's critic loss and step 2's actor loss
+    are poisoned. Each skipped update is counted on its own role and leaves the other role's
+    update alone, and the step after each skip trains on finite weights."""
     run = tmp_path / "run"
     proc, records = run_train(
         "quickstart_cpu_ppo",
-        train_overrides(tiny_run_inputs, run, **PPO, **{"trainer.nan_policy": "skip"}),
-        env={"RLHF_FAULT": "critic_nan:1"},
+        train_overrides(
+            tiny_run_inputs, run, **{**PPO, "trainer.total_training_steps": 3, "trainer.nan_policy": "skip"}
+        ),
+        env={"RLHF_FAULT": "critic_nan:1,nan:2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = records
-    # 8 prompts x n=1 / ppo_mini_batch_size 4 = 2 critic optimizer steps at step 1, both dropped.
+    first, second, third = records
+    # 8 prompts x n=1 / ppo_mini_batch_size 4 = 2 optimizer steps per update, both dropped.
     assert first["critic/nan_skipped"] == 2 and first["critic/update_ok"] == 0
     assert first["actor/nan_skipped"] == 0 and first["actor/update_ok"] == 1, "the actor is unaffected"
-    assert second["critic/nan_skipped"] == 0 and second["critic/update_ok"] == 1
-    # The skipped step left the weights unpoisoned: step 2's values and value loss are finite.
+    assert second["actor/nan_skipped"] == 2 and second["actor/update_ok"] == 0
+    assert second["critic/nan_skipped"] == 0 and second["critic/update_ok"] == 1, "the critic is unaffected"
+    # The skipped updates left the weights unpoisoned: later values, losses and entropies are finite.
     assert math.isfinite(second["critic/vf_loss"]) and math.isfinite(second["critic/values/mean"])
+    assert third["actor/update_ok"] == 1 and third["critic/update_ok"] == 1
+    assert math.isfinite(third["actor/pg_loss"]) and math.isfinite(third["actor/entropy"])
     CheckpointManager.verify(CheckpointManager(run).latest(), "sha256")
 
 
