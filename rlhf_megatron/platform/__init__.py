@@ -18,6 +18,7 @@ explicitly (see ``ParallelInfo``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
@@ -126,8 +127,31 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _MEGATRON_GROUPS.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+_MEGATRON_GROUPS: list = []
+"""The process groups the last ``init_model_parallel`` had megatron create. megatron-core's
+``destroy_model_parallel`` only forgets its groups; each gloo group keeps a TCP loop and two run
+loops alive, so a process that builds layout after layout (the tests do) would end up with
+thousands of threads and a machine too loaded to run anything else."""
+
+
+def _process_groups() -> list:
+    """Every process group of this process but the default one (torch keeps no public list)."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d.GroupMember.WORLD
+    return [group for group in distributed_c10d._world.pg_map if group is not world]
+
+
+def _release_megatron_groups() -> None:
+    for group in _MEGATRON_GROUPS:
+        with contextlib.suppress(Exception):  # already gone with the default group
+            torch.distributed.destroy_process_group(group)
+    _MEGATRON_GROUPS.clear()
 
 
 @dataclass(frozen=True)
@@ -264,6 +288,8 @@ def init_model_parallel(
         )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    _release_megatron_groups()
+    before = set(_process_groups())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -272,6 +298,7 @@ def init_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=etp,
     )
+    _MEGATRON_GROUPS.extend(group for group in _process_groups() if group not in before)
     set_seed(seed)
     # Seeds megatron's "model-parallel" RNG stream: different per TP rank, same per DP rank.
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
