@@ -39,6 +39,7 @@ __all__ = [
     "Parallelism",
     "RecomputeGranularity",
     "RecomputeMethod",
+    "RolloutCorrectionLossType",
     "RolloutIsLevel",
     "RolloutMode",
     "RewardManagerName",
@@ -177,6 +178,13 @@ RolloutIsLevel = _choice(
     "RolloutIsLevel",
     ("token", "sequence"),
     "``algorithm.rollout_correction.rollout_is``: the importance weights' granularity (null: off).",
+)
+RolloutCorrectionLossType = _choice(
+    "RolloutCorrectionLossType",
+    ("ppo_clip", "reinforce"),
+    "``algorithm.rollout_correction.loss_type``: the policy loss in bypass mode, PPO's clipped "
+    "ratio against the rollout's policy (ppo_clip) or the importance-weighted policy gradient "
+    "(reinforce).",
 )
 
 FilterMetric = _choice(

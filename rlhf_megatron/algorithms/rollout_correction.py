@@ -17,7 +17,8 @@ driver's one call after the old-log-prob pass: it reads the batch's log-probs an
 ``rollout_rs``, a narrowed ``response_mask``.
 
 Boundaries: pure tensor math, no torch.distributed. The driver holds the whole step's batch, so
-the batch normalisation and the metrics cover every DP rank's rows without a reduction.
+the batch normalisation and the metrics cover every DP rank's rows without a reduction. In
+bypass mode the correction happens at loss time instead (``bypass_correction``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class RolloutCorrectionSettings(Protocol):
     rollout_is_batch_normalize: bool
     rollout_rs: str | None
     rollout_rs_threshold: float | str | None
+    bypass_mode: bool
+    loss_type: str
 
 
 class Columns(Protocol):
@@ -178,9 +181,10 @@ def apply_rollout_correction(batch: Columns, cfg: RolloutCorrectionSettings) -> 
 
     Call after the actor's old-log-prob pass: both need ``old_log_probs`` next to the engine's
     ``rollout_log_probs``. The weights are computed on the mask before rejection (a rejected
-    token's weight is never used).
+    token's weight is never used). In bypass mode ``old_log_probs`` are the engine's, so there is
+    nothing to compute here: the loss does it against the current policy (``bypass_correction``).
     """
-    if cfg.rollout_is is None and cfg.rollout_rs is None:
+    if cfg.bypass_mode or (cfg.rollout_is is None and cfg.rollout_rs is None):
         return {}
     missing = [key for key in BATCH_KEYS if key not in batch]
     if missing:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config.roles import RolePlan, role_plan
+from rlhf_megatron.config.schema import RolloutCorrectionConfig
 
 __all__ = ["RunContext", "Seeds"]
 
@@ -66,6 +67,10 @@ class RunContext:
     """Training steps of the run, which the LR schedules span."""
     plan: RolePlan = field(default_factory=lambda: RolePlan(critic=False, ref=True, reward_model=False))
     """Which roles the run builds (the actor builds its reference only when ``plan.ref``)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """``algorithm.rollout_correction``: in bypass mode the actor's loss computes the correction
+    (``algorithms.bypass_correction``); otherwise the driver did, and the actor only reads
+    ``rollout_is_weights`` from the batch."""
 
     @classmethod
     def from_config(cls, cfg: DictConfig, total_steps: int) -> RunContext:
@@ -76,4 +81,5 @@ class RunContext:
             rollout_n=cfg.actor_rollout_ref.rollout.n,
             total_steps=total_steps,
             plan=role_plan(cfg),
+            rollout_correction=OmegaConf.to_object(cfg.algorithm.rollout_correction),
         )

@@ -31,6 +31,7 @@ from rlhf_megatron.choices import (
     NanPolicy,
     OnError,
     Parallelism,
+    RolloutCorrectionLossType,
     RolloutIsLevel,
     RolloutMode,
     Truncation,
@@ -298,25 +299,41 @@ class RolloutCorrectionConfig:
     same as the default wherever the engine computes the actor's policy (same weights and dtype:
     fp32 vLLM-CPU and Megatron agree to ~1e-6); with a bf16 or otherwise different engine the
     ratio also carries that mismatch, which the default (decoupled) mode would keep apart.
-    ``rollout_is`` has nothing to correct then (refused), nor is there a pass for
-    ``router_replay.mode=R2`` to record routes in (refused)."""
+    There is no old-log-prob pass for ``router_replay.mode=R2`` to record routes in (refused).
+    In this mode ``rollout_rs`` and (with ``loss_type=reinforce``) ``rollout_is`` are computed at
+    loss time, from the current policy against the rollout's: ``r = pi_theta / pi_rollout``, detached.
+    Rejection narrows the policy loss's mask only (entropy and the KL loss keep the full one)."""
+
+    loss_type: RolloutCorrectionLossType = RolloutCorrectionLossType.ppo_clip
+    """The policy loss in bypass mode (bypass_mode=true only). ppo_clip: the actor's
+    ``policy_loss.loss_mode`` as configured; its ratio is already ``pi_theta / pi_rollout``, so
+    ``rollout_is`` is refused (it would weight twice). reinforce (in place of the actor's
+    ``loss_mode``): no ratio, no clip; per token
+    ``-sg(w) * A * log pi_theta``, ``w`` the ``rollout_is`` weight of ``r`` (token or sequence,
+    capped at ``rollout_is_threshold`` or IcePop-zeroed outside its band; 1 when ``rollout_is`` is
+    null), aggregated with ``actor.loss_agg_mode`` over the mask ``rollout_rs`` narrows; its
+    gradient is ``-w * A * grad log pi_theta``. ``rollout_is_batch_normalize`` then normalises over
+    each micro-batch, where the weights are computed."""
 
     def validate(self, key: str = "algorithm.rollout_correction") -> list[str]:
         """A usable threshold (a positive cap or an IcePop band), known rejection options with
-        matching thresholds, and nothing to compute in bypass mode. (Whether the rollout engine
-        returns the log-probs they need is a cross-section rule, ``validate.py``.)"""
+        matching thresholds, ``loss_type=reinforce`` only in bypass mode, and no ``rollout_is``
+        weighting PPO's bypass ratio twice. (Whether the rollout engine returns the log-probs
+        they need is a cross-section rule, ``validate.py``.)"""
         out = _rollout_threshold_problems(self, key)
-        if self.bypass_mode and self.rollout_is is not None:
+        if self.loss_type == "reinforce" and not self.bypass_mode:
             out.append(
-                f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
-                f"{key}.rollout_is={self.rollout_is} would weight every token by exp(0) = 1; set "
-                "rollout_is=null with bypass_mode, or bypass_mode=false to correct rollout -> actor"
+                f"{key}.loss_type=reinforce is the bypass mode's loss (it weights by pi_theta / pi_rollout "
+                f"at loss time, against the rollout's log-probs as the old policy); set {key}.bypass_mode=true, "
+                f"or {key}.loss_type=ppo_clip to train with the actor's policy_loss.loss_mode"
             )
-        if self.bypass_mode and self.rollout_rs is not None:
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_is is not None:
             out.append(
                 f"{key}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
-                f"{key}.rollout_rs={self.rollout_rs} would measure no divergence and reject nothing; set "
-                "rollout_rs=null with bypass_mode, or bypass_mode=false to reject rollout -> actor outliers"
+                f"{key}.rollout_is={self.rollout_is} would weight every token by exp(0) = 1 (and PPO's "
+                f"ratio is already pi_theta / pi_rollout); set rollout_is=null with bypass_mode, "
+                f"{key}.loss_type=reinforce to weight the policy gradient by it, or bypass_mode=false "
+                "to correct rollout -> actor"
             )
         return out
 

@@ -23,6 +23,11 @@ import time
 import torch
 
 from rlhf_megatron.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
+from rlhf_megatron.algorithms.bypass_correction import (
+    compute_bypass_correction,
+    compute_policy_loss_reinforce,
+    corrects_at_loss_time,
+)
 from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
@@ -359,31 +364,47 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         # The variants' own keys (clip_cov_*, kl_cov_ratio, dro_beta, SAPO's taus); each loss
         # reads those it names and ignores the rest.
         options = {**actor.policy_loss.options(), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
+        # Bypass mode: old_log_probs are the rollout's, and the weights and rejection mask come
+        # from the current policy against them, here rather than on the driver.
+        corr = self.context.rollout_correction
+        at_loss_time = corrects_at_loss_time(corr)
 
         def fn(logits, micro):
             resp_logits = response_outputs(logits, micro)  # (b, w, V/tp); w <= R after trimming
             labels = micro["responses"][:, : resp_logits.shape[1]]
             mask = micro["response_mask"].to(torch.float32)
             log_prob = pad_responses(vocab_parallel_log_probs(resp_logits, labels, vocab), micro)  # (b, R)
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-                old_log_prob=micro["old_log_probs"],
-                log_prob=log_prob,
-                advantages=micro["advantages"],
-                response_mask=mask,
-                cliprange=actor.clip_ratio,
-                cliprange_low=actor.clip_ratio_low,
-                cliprange_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c,
-                loss_agg_mode=mode,
-                rollout_is_weights=micro.get("rollout_is_weights"),  # (b, R), with rollout correction
-                **options,
-            )
+            pg_mask, is_weights, corr_metrics = mask, micro.get("rollout_is_weights"), {}
+            if at_loss_time:
+                is_weights, pg_mask, corr_metrics = compute_bypass_correction(
+                    log_prob, micro["old_log_probs"], mask, corr
+                )
+            if corr.bypass_mode and corr.loss_type == "reinforce":
+                pg_loss, ppo_kl = compute_policy_loss_reinforce(
+                    log_prob, micro["old_log_probs"], micro["advantages"], pg_mask, mode, is_weights
+                )
+                clipfrac = clipfrac_lower = torch.zeros_like(ppo_kl)  # nothing is clipped
+            else:
+                pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+                    old_log_prob=micro["old_log_probs"],
+                    log_prob=log_prob,
+                    advantages=micro["advantages"],
+                    response_mask=pg_mask,
+                    cliprange=actor.clip_ratio,
+                    cliprange_low=actor.clip_ratio_low,
+                    cliprange_high=actor.clip_ratio_high,
+                    clip_ratio_c=actor.clip_ratio_c,
+                    loss_agg_mode=mode,
+                    rollout_is_weights=is_weights,  # (b, R), from the driver's rollout correction
+                    **options,
+                )
             loss = pg_loss
             metrics = {
                 "actor/pg_loss": pg_loss.detach(),
                 "actor/pg_clipfrac": clipfrac.detach(),
                 "actor/ppo_kl": ppo_kl.detach(),
                 "actor/pg_clipfrac_lower": clipfrac_lower.detach(),
+                **corr_metrics,
             }
             # Without an entropy bonus the entropy is only a metric: no graph, no saved activations.
             with contextlib.nullcontext() if actor.entropy_coeff else torch.no_grad():

@@ -60,6 +60,10 @@ ENUM_CASES = {
         "algorithm.rollout_correction.rollout_is",
         "is not one of: null, token, sequence",
     ),
+    choices.RolloutCorrectionLossType: (
+        "algorithm.rollout_correction.loss_type",
+        "is not one of: ppo_clip, reinforce",
+    ),
     choices.OnError: ("reward.on_error", "is not one of: raise, zero"),
     choices.JudgePlacement: ("reward.judge.placement", "is not one of: colocated, pool"),
     choices.JudgeCombine: ("reward.judge.combine", "is not one of: replace, add"),

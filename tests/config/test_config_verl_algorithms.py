@@ -85,9 +85,23 @@ def test_defaults_are_verls():
             [f"{RC}.rollout_rs_threshold='1,2,3' gives 3 thresholds for 2 options"],
         ),
         (
-            [f"{RC}.rollout_rs=token_k2", f"{RC}.rollout_rs_threshold=1", f"{RC}.bypass_mode=true"],
+            [f"{RC}.loss_type=reinforce"],
             [
-                f"{RC}.bypass_mode=true takes the rollout's log-probs as the old policy, so {RC}.rollout_rs=token_k2"
+                f"{RC}.loss_type=reinforce is the bypass mode's loss (it weights by pi_theta / pi_rollout "
+                f"at loss time, against the rollout's log-probs as the old policy); set {RC}.bypass_mode=true, "
+                f"or {RC}.loss_type=ppo_clip"
+            ],
+        ),
+        (
+            [f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=token"],
+            [f"{RC}.loss_type=reinforce is the bypass mode's loss"],
+        ),
+        (
+            [f"{RC}.bypass_mode=true", f"{RC}.rollout_is=sequence"],
+            [
+                f"{RC}.bypass_mode=true takes the rollout's log-probs as the old policy, so "
+                f"{RC}.rollout_is=sequence would weight every token by exp(0) = 1 (and PPO's ratio is already "
+                f"pi_theta / pi_rollout); set rollout_is=null with bypass_mode, {RC}.loss_type=reinforce"
             ],
         ),
     ],
@@ -97,3 +111,44 @@ def test_bad_values_are_refused_naming_the_key(overrides, expected):
     assert len(errors) == len(expected), errors
     for err, start in zip(errors, expected):
         assert start in err
+
+
+def test_loss_type_defaults_to_ppo_clip_and_refuses_unknown_values():
+    assert make_cfg().algorithm.rollout_correction.loss_type == "ppo_clip"
+    with pytest.raises(ConfigError) as exc:
+        make_cfg(f"{RC}.loss_type=reinforce_plus")
+    assert f"{RC}.loss_type='reinforce_plus' is not one of: ppo_clip, reinforce" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param([f"{RC}.rollout_rs=token_k2", f"{RC}.rollout_rs_threshold=1"], id="ppo_clip-rs"),
+        pytest.param([f"{RC}.loss_type=reinforce"], id="reinforce"),
+        pytest.param([f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=sequence"], id="reinforce-seq-is"),
+        pytest.param(
+            [
+                f"{RC}.loss_type=reinforce",
+                f"{RC}.rollout_is=token",
+                f"{RC}.rollout_is_threshold=0.5_2.0",
+                f"{RC}.rollout_rs=seq_mean_k1",
+                f"{RC}.rollout_rs_threshold=0.999_1.001",
+            ],
+            id="reinforce-icepop-rs",
+        ),
+    ],
+)
+def test_bypass_mode_accepts_verls_presets(overrides):
+    """verl's bypass_ppo_clip_geo_rs, bypass_pg_is, bypass_pg_token_icepop, bypass_pg_geo_rs..."""
+    assert _errors(f"{RC}.bypass_mode=true", *overrides) == []
+
+
+def test_the_actor_receives_the_rollout_correction_through_the_run_context():
+    from rlhf_megatron.config.context import RunContext
+    from rlhf_megatron.config.schema import RolloutCorrectionConfig
+
+    cfg = make_cfg(f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=token")
+    corr = RunContext.from_config(cfg, total_steps=1).rollout_correction
+    assert isinstance(corr, RolloutCorrectionConfig)
+    assert (corr.bypass_mode, corr.loss_type, corr.rollout_is) == (True, "reinforce", "token")
+    assert RunContext.from_config(make_cfg(), total_steps=1).rollout_correction.loss_type == "ppo_clip"

@@ -54,14 +54,35 @@ def test_grpo_trains(reference_run):
     _check_run(run_dir, records, use_critic=False, steps=3)
 
 
+BYPASS_REINFORCE = {  # verl's bypass_pg_token_icepop with a rejection option on top
+    "algorithm.rollout_correction.loss_type": "reinforce",
+    "algorithm.rollout_correction.rollout_is": "token",
+    "algorithm.rollout_correction.rollout_is_threshold": "0.5_2.0",
+    "algorithm.rollout_correction.rollout_rs": "token_k1",
+    "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0",
+}
+
+
 @pytest.mark.parametrize(
-    "config, use_critic, bypass", [("quickstart_cpu_ppo", True, False), ("quickstart_cpu", False, True)]
+    "config, use_critic, bypass",
+    [
+        ("quickstart_cpu_ppo", True, False),
+        ("quickstart_cpu", False, True),
+        ("quickstart_cpu", False, "reinforce"),
+    ],
 )
 def test_ppo_and_bypass_grpo_train_two_steps(tiny_run_inputs, tmp_path, config, use_critic, bypass):
     extra = {"algorithm.rollout_correction.bypass_mode": True} if bypass else {}
+    if bypass == "reinforce":
+        extra.update(BYPASS_REINFORCE)
     proc, records = run_train(config, train_overrides(tiny_run_inputs, tmp_path / "run", **extra))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_run(tmp_path / "run", records, use_critic, bypass)
+    _check_run(tmp_path / "run", records, use_critic, bool(bypass))
+    if bypass == "reinforce":  # the loss computed the correction, against pi_theta, and reported it
+        for r in records:
+            assert r["actor/pg_clipfrac"] == 0.0
+            assert 0.0 <= r["rollout_corr/rollout_is_min"] <= r["rollout_corr/rollout_is_max"] <= 2.0
+            assert 0.0 <= r["rollout_corr/rollout_rs_masked_fraction"] < 1.0
 
 
 def test_val_only_validates_and_does_not_train(tiny_run_inputs, tmp_path):
