@@ -8,11 +8,14 @@ Subcommands:
   its slices of the HF safetensors (a mixture-of-experts rank: only its experts),
   and save megatron's distributed checkpoint plus our metadata
   (``models/checkpoint.py`` describes the layout). Loadable at any layout, EP
-  included.
+  included. Next-token-prediction (MTP) layers past ``num_hidden_layers``
+  (DeepSeek-V3, GLM-4.5) are not trained: they are copied as stored into the
+  checkpoint's ``mtp_layers/``, with a message on stderr (``models/mtp.py``).
 - ``mcore-to-hf --ckpt DIR --out DIR``: stream a model checkpoint (converted,
   or a trainer's ``<ckpt>/model``) to HF safetensors one tensor at a time, in
   one process, with megatron's loader reading one tensor per call. Memory is
-  bounded by the largest tensor, whatever the model size.
+  bounded by the largest tensor, whatever the model size. A checkpoint's
+  ``mtp_layers/`` tensors are written back unchanged.
 - ``lora-to-peft --ckpt DIR --out DIR [--base HF_DIR]``: a LoRA training
   checkpoint's adapter (``<step>/actor/adapter``; ``--ckpt`` may name it, the
   actor or the step) as a PEFT adapter directory (``PeftModel.from_pretrained``,

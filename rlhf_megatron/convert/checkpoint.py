@@ -24,6 +24,7 @@ from rlhf_megatron.convert.common import (
 )
 from rlhf_megatron.convert.lora import find_adapter
 from rlhf_megatron.models.hf_io import HFCheckpoint
+from rlhf_megatron.models.mtp import saved_mtp
 from rlhf_megatron.models.spec import (
     SpecError,
     expected_hf_shapes,
@@ -267,6 +268,9 @@ def convert_mcore_to_hf(
     out = Path(out)
     specs = checkpoint_tensor_specs(ckpt_dir)
     plan = _plan_export(specs, arch, meta.tensor_model_parallel_size, out_dtype)
+    mtp = saved_mtp(ckpt_dir)  # untrained next-token-prediction layers: written back as stored
+    mtp_names = mtp.names() if mtp is not None else []
+    plan += [(n, mtp.shape(n), mtp.dtype(n)) for n in mtp_names]
     tmp = prepare_out(out, force)
     created_pg = _ensure_process_group()
     try:
@@ -278,6 +282,8 @@ def convert_mcore_to_hf(
                 for hf_name, t in mcore_to_hf(spec.name, full, arch):
                     writer.write(hf_name, t.to(out_dtype))
                 bar.update()
+        for name in mtp_names:
+            writer.write(name, mtp.read(name))
         writer.close()
         copy_hf_side_files(side_dir, tmp)
         write_hf_config(tmp, hf_config(arch, side_dir / "config.json", out_dtype), arch)

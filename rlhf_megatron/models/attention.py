@@ -81,3 +81,19 @@ class SDPAttention(DotProductAttention):
         )
         s, b = query.shape[0], query.shape[1]
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+
+class LatentDotProductAttention(DotProductAttention):
+    """megatron-core's local ``DotProductAttention`` for multi-latent attention.
+
+    MLA hands its core attention queries/keys of ``k_channels`` (``[nope | rope]``) and values of
+    ``v_channels`` per head, plus its own softmax scale (YaRN's mscale included); megatron-core 0.16's
+    local attention takes neither width (only transformer-engine's does). The math needs no change:
+    the scores use the query/key width through the given scale, and only the output's width
+    (heads x ``v_channels``) differs from ``kv_channels x heads``.
+    """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlhf_megatron.models.attention import SDPAttention
+from rlhf_megatron.models.attention import LatentDotProductAttention, SDPAttention
 from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
 from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
@@ -132,6 +132,15 @@ def _check_parallel(arch: ModelArch, parallel: ParallelConfig, use_te: bool) -> 
     for what, n in (
         ("num_attention_heads", arch.num_attention_heads),
         ("num_key_value_heads", arch.num_kv_heads),
+        # MLA's down-projections are column-parallel in the local spec (gathered after).
+        *(
+            [
+                ("q_lora_rank", arch.mla.q_lora_rank or 0),
+                ("kv_lora_rank + qk_rope_head_dim", arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim),
+            ]
+            if arch.mla is not None and not use_te
+            else []
+        ),
     ):
         if n % tp:
             raise ValueError(f"{arch.architecture}: {what} ({n}) is not divisible by TP size {tp}")
@@ -232,8 +241,44 @@ def build_transformer_config(
             arch, parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size, use_te
         )
     )
+    if arch.mla is not None:
+        kwargs.update(_mla_config_kwargs(arch))
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _mla_config_kwargs(arch: ModelArch) -> dict:
+    """``MLATransformerConfig`` fields: the low-rank projections and MLA's own RoPE (plain, or YaRN
+    with its attention scaling). The q/kv latent norms are megatron's ``qk_layernorm`` modules."""
+    mla, scaling = arch.mla, arch.rope_scaling
+    kwargs = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_channels=mla.q_head_dim,
+        qk_layernorm=True,
+        rotary_base=arch.rope_theta,
+        rope_type="rope",
+        # MLATransformerConfig's default 40 would scale the softmax even without YaRN.
+        rotary_scaling_factor=1.0,
+        apply_rope_fusion=False,
+    )
+    if scaling is not None:  # ModelArch admits only yarn here
+        kwargs.update(
+            rope_type="yarn",
+            rotary_scaling_factor=scaling.factor,
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+            beta_fast=scaling.beta_fast,
+            beta_slow=scaling.beta_slow,
+            mscale=scaling.mscale,
+            mscale_all_dim=scaling.mscale_all_dim,
+        )
+    return kwargs
 
 
 def _layer_spec(arch: ModelArch, use_te: bool):
@@ -241,22 +286,30 @@ def _layer_spec(arch: ModelArch, use_te: bool):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         from megatron.core.transformer.enums import AttnMaskType
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_norm or arch.mla is not None, multi_latent_attention=arch.mla is not None
+        )
         # Our masks combine causality with left padding (and a sliding window),
         # which TE's "causal" type would ignore: ask TE to apply the mask as given.
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
         return spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(
+        qk_layernorm=arch.qk_norm or arch.mla is not None,
+        normalization="RMSNorm",
+        multi_latent_attention=arch.mla is not None,
+    )
 
 
 def _rope_kwargs(arch: ModelArch) -> dict:
     kwargs: dict = {
         "rotary_base": int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta
     }
+    if arch.rotary_percent != 1.0:  # GLM-4.5: RoPE on the first part of each head
+        kwargs["rotary_percent"] = arch.rotary_percent
     scaling = arch.rope_scaling
-    if scaling is None:
+    if scaling is None or arch.mla is not None:  # MLA applies its own RoPE (the config's)
         return kwargs
     if scaling.rope_type == "llama3":
         # megatron fixes low/high frequency factors 1/4 and original context
@@ -345,6 +398,12 @@ def build_gpt_model(
             "environment; install it (the GPU image has it) or set the role's megatron.transformer_impl=local"
         )
     _check_parallel(arch, parallel, use_te)
+    if arch.mla is not None and use_te:
+        raise ValueError(
+            f"{arch.architecture}: multi-latent attention is built with megatron's local layers only (the "
+            "HF⇄mcore spec follows the local spec's column-parallel down-projections); set the role's "
+            "megatron.transformer_impl=local"
+        )
     if causal_rows == "auto":
         causal_rows = CAUSAL_ROWS_FROM if is_cuda() else None
     if fuse_swiglu:
@@ -353,6 +412,8 @@ def build_gpt_model(
     spec = _layer_spec(arch, use_te)
     if arch.moe is not None and not use_te:
         enable_moe_without_te()
+    if arch.mla is not None and not use_te:
+        _enable_mla_without_te()
     vpp = parallel.virtual_pipeline_model_parallel_size
     lm = arch.head == "lm"
     vl = arch.vision is not None
@@ -367,7 +428,11 @@ def build_gpt_model(
             chunk_spec = moe_block_spec(config, use_te, stage, pp_rank)
         if not use_te and parallel.sequence_parallel:
             chunk_spec = with_sequence_parallel_norms(chunk_spec, config, stage, pp_rank)
-        if attention_backend == "sdpa":
+        if arch.mla is not None and not use_te:
+            chunk_spec = swap_module(
+                copy.deepcopy(chunk_spec), DotProductAttention, LatentDotProductAttention
+            )
+        elif attention_backend == "sdpa":
             chunk_spec = swap_module(copy.deepcopy(chunk_spec), DotProductAttention, SDPAttention)
         model = GPTModelWithPositions(
             config=config,
@@ -402,6 +467,28 @@ def build_gpt_model(
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _enable_mla_without_te() -> None:
+    """Fix megatron-core 0.16's multi-latent attention where it assumes CUDA or transformer-engine
+    (idempotent).
+
+    1. It builds its (YaRN) rotary embedding without passing ``use_cpu_initialization``, so the
+       tables go to ``torch.cuda.current_device()``: on CPU, build them on the CPU.
+    2. Without transformer-engine its import of TE's layers can succeed with stand-ins that are not
+       classes (``HAVE_TE`` True, ``TELinear`` a mock), and ``isinstance(linear_proj, TELinear)``
+       raises: mark TE absent there.
+    """
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+    if is_cuda():
+        return
+    for name in ("RotaryEmbedding", "YarnRotaryEmbedding"):
+        cls = getattr(mla, name)
+        if not isinstance(cls, functools.partial):
+            setattr(mla, name, functools.partial(cls, use_cpu_initialization=True))
 
 
 def _norms_to(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -7,6 +7,8 @@ hf-to-mcore`` writes, and what a trainer checkpoint keeps under
     <dir>/
       .metadata, *.distcp, common.pt, metadata.json   megatron dist-checkpoint (torch_dist)
       config.json, generation_config.json, tokenizer*  copied from the HF model
+      mtp_layers/                                      the HF model's next-token-prediction
+                                                       layers, untrained (models/mtp.py)
       rlhf_megatron_ckpt.json                          CheckpointMetadata, written last
 
 The dist-checkpoint is layout-independent: it can be loaded at any TP/PP/VPP
@@ -40,6 +42,7 @@ import torch
 
 from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.loader import unwrap_model
+from rlhf_megatron.models.mtp import save_mtp_tensors
 from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [
@@ -264,8 +267,8 @@ def save_model_checkpoint(
 ) -> CheckpointMetadata:
     """Save this rank's chunks into ``ckpt_dir`` (collective over all ranks).
 
-    After megatron's save, rank 0 copies the HF side files from ``hf_dir``,
-    hashes every file and writes ``rlhf_megatron_ckpt.json`` last.
+    After megatron's save, rank 0 copies the HF side files from ``hf_dir`` and
+    its next-token-prediction layers' tensors (``models/mtp.py``), hashes every file and writes ``rlhf_megatron_ckpt.json`` last.
     """
     from megatron.core import dist_checkpointing
 
@@ -290,6 +293,7 @@ def save_model_checkpoint(
     if torch.distributed.get_rank() == 0:
         if hf_dir is not None:
             copy_hf_side_files(Path(hf_dir), ckpt_dir)
+            save_mtp_tensors(hf_dir, arch, ckpt_dir)  # untrained MTP layers, for the export
         meta.files = sha256_of_files(ckpt_dir)
         meta.sizes = {rel: (ckpt_dir / rel).stat().st_size for rel in meta.files}
         (ckpt_dir / CKPT_METADATA_FILE).write_text(meta.to_json())

@@ -5,7 +5,8 @@ name to its global one (pipeline/virtual-pipeline layer offset), asks the spec
 for this TP rank's slice (``spec.hf_to_mcore``) and copies it in. Reads go
 through ``safe_open(...).get_slice`` one tensor slice at a time, so a rank's
 memory during loading is its own shard plus one slice in flight, never the
-whole model. A mixture-of-experts rank reads only its own experts (its
+whole model. Next-token-prediction layers past ``num_hidden_layers`` are not loaded
+(``models/mtp.py``: a message says so; checkpoints keep them aside). A mixture-of-experts rank reads only its own experts (its
 expert-parallel rank's share, global expert numbers from ``stages``), sliced for
 its expert tensor-parallel rank.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from rlhf_megatron.models.hf_io import HFCheckpoint, HFCheckpointError
+from rlhf_megatron.models.mtp import warn_untrained_mtp
 from rlhf_megatron.models.spec import (
     hf_names,
     hf_source,
@@ -52,6 +54,16 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module
     return module
+
+
+LOADED_BUFFERS = ("router.expert_bias",)
+"""Buffers that come from the checkpoint too: DeepSeekMoE's score-correction bias."""
+
+
+def _loadable_tensors(module: torch.nn.Module):
+    """``(name, tensor)`` of every parameter, then of the buffers in ``LOADED_BUFFERS``."""
+    yield from module.named_parameters()
+    yield from ((n, b) for n, b in module.named_buffers() if n.endswith(LOADED_BUFFERS))
 
 
 def _ranks(tp_rank, tp_size, pp_rank, pp_size, vpp_size):
@@ -108,9 +120,11 @@ def load_hf_weights(
         raise ValueError(f"load_hf_weights: got {len(chunks)} model chunks for VPP size {vpp_size}")
     checkpoint = hf_dir if isinstance(hf_dir, HFCheckpoint) else HFCheckpoint(hf_dir)
     source = hf_source(checkpoint, arch)  # also finds a family's alternative HF names
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warn_untrained_mtp(checkpoint, arch)  # layers past num_hidden_layers: kept aside, not loaded
     work = []
     for vp_stage, chunk in enumerate(chunks):
-        for local_name, param in unwrap_model(chunk).named_parameters():
+        for local_name, param in _loadable_tensors(unwrap_model(chunk)):
             global_name = local_to_global_layer(
                 local_name, arch.num_layers, pp_rank, pp_size, vp_stage if vpp_size else None, vpp_size
             )

@@ -120,10 +120,34 @@ def moe_config_kwargs(
     if moe.shared_expert_ffn_hidden_size is not None:
         kwargs.update(
             moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
-            moe_shared_expert_gate=True,
+            moe_shared_expert_gate=moe.shared_expert_gate,
             moe_shared_expert_overlap=False,
         )
+    if moe.score_function == "sigmoid":
+        kwargs.update(_sigmoid_router_kwargs(moe))
     return kwargs
+
+
+def _sigmoid_router_kwargs(moe) -> dict:
+    """DeepSeekMoE's router (DeepSeek-V3, GLM-4.5) as the checkpoint describes it.
+
+    megatron's sigmoid routing picks the top-k of ``sigmoid(logits) + expert_bias`` (within the best
+    groups), weights them by the plain sigmoid scores renormalised over the k, then multiplies by
+    the scaling factor: HF's ``noaux_tc`` with ``norm_topk_prob``. The bias (``router.expert_bias``,
+    a buffer loaded from ``e_score_correction_bias``) stays fixed: megatron's aux-loss-free update
+    runs with rate 0, i.e. the checkpoint's balance is kept; pass ``moe_router_bias_update_rate`` as a
+    build override to let it move.
+    """
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef > 0 else "none",
+    )
 
 
 def moe_block_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int):

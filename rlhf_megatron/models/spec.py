@@ -417,6 +417,8 @@ def mcore_to_hf(name: str, full: torch.Tensor, arch: ModelArch) -> list[tuple[st
     if rule.layout is Layout.COPY:
         if rule.hf_size is not None:
             full = full.narrow(rule.tp_dim, 0, rule.hf_size(arch))
+        if rule.row_order is not None:  # HF row i is megatron row inverse[i]
+            full = full.index_select(0, _inverse_order(rule, arch).to(full.device))
         return [(hf[0], full)]
     if rule.layout is Layout.GATE_UP:
         gate, up = full.chunk(2, dim=0)
@@ -472,6 +474,28 @@ def _read_padded(
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _order(rule: ParamRule, arch: ModelArch) -> torch.Tensor:
+    return torch.tensor(rule.row_order(arch), dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=256)
+def _inverse_order(rule: ParamRule, arch: ModelArch) -> torch.Tensor:
+    return torch.argsort(_order(rule, arch))
+
+
+def _read_reordered(
+    source: TensorSource, hf_name: str, rule: ParamRule, arch: ModelArch, slices: list[ShardSlice]
+) -> torch.Tensor:
+    """A ``row_order`` rule's rows (this rank's slice along dim 0, or all): reads only the span of
+    HF rows they come from."""
+    order = _order(rule, arch)
+    if slices:
+        order = order[slices[0].full_start : slices[0].full_start + slices[0].length]
+    lo, hi = int(order.min()), int(order.max()) + 1
+    return source.read(hf_name, 0, lo, hi)[order - lo]
+
+
 def hf_to_mcore(
     name: str, arch: ModelArch, source: TensorSource, tp_rank: int = 0, tp_size: int = 1
 ) -> torch.Tensor:
@@ -492,6 +516,8 @@ def hf_to_mcore(
                 f"({arch.architecture}) implies {list(expected[hf_name])}; the weights and the config disagree"
             )
     slices = tp_shard_slices(name, arch, tp_rank, tp_size)
+    if rule.layout is Layout.COPY and rule.row_order is not None:
+        return _read_reordered(source, hf[0], rule, arch, slices)
     if rule.layout is Layout.COPY:
         if not slices:
             return source.read(hf[0])

@@ -20,6 +20,12 @@ arguments (``_copy`` for the common ``Layout.COPY`` case).
   (TEGroupedMLP); ``{expert}`` is the *global* expert index, ``pipeline_stages.py`` maps
   a rank's local experts onto it. Experts are split by expert tensor parallelism
   (``ParamRule.expert``), not by the attention's TP.
+- DeepSeek-V3 and GLM-4.5 (``deepseek_moe_decoder_rules``): DeepSeekMoE sparse layers (router
+  with its score-correction bias as megatron's ``router.expert_bias`` buffer, ungated
+  ``shared_experts``) after the dense first layers; DeepSeek-V3's multi-latent attention
+  (``_mla_attention_rules``; rotary rows reordered through ``ParamRule.row_order`` only for a
+  checkpoint with ``rope_interleave`` false), GLM-4.5's
+  usual attention with q/k/v biases and optional q/k norms.
 - Qwen2-VL / Qwen2.5-VL (``vision_rules() + decoder_rules("language_model.")``)
   are the same decoder under the wrapper's ``language_model.`` prefix (HF names
   unchanged: the hub layout ``model.layers.*``), plus the vision tower under
@@ -95,6 +101,9 @@ class ParamRule:
     """For ``{layer}`` rules: whether a given layer has the parameter (dense MLP vs experts)."""
     expert: bool = False
     """A routed expert's weight: ``tp_dim`` splits it over the expert tensor-parallel group (ETP)."""
+    row_order: Callable[[ModelArch], tuple[int, ...]] | None = None
+    """For a ``Layout.COPY`` rule: megatron row ``j`` is HF row ``row_order(arch)[j]`` (dim 0),
+    e.g. MLA's rotary rows of an HF checkpoint that rotates halves (megatron's MLA de-interleaves)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,52 @@ def _moe_layer(a: ModelArch, layer: int) -> bool:
 
 def _shared_expert(a: ModelArch) -> bool:
     return a.moe.shared_expert_ffn_hidden_size is not None
+
+
+def _expert_bias(a: ModelArch) -> bool:
+    return a.moe.expert_bias
+
+
+def _q_lora(a: ModelArch) -> bool:
+    return a.mla.q_lora_rank is not None
+
+
+def _no_q_lora(a: ModelArch) -> bool:
+    return a.mla.q_lora_rank is None
+
+
+def _interleave(rope: int, offset: int) -> list[int]:
+    """HF rows of megatron's rotary rows ``offset ..`` when HF rotates halves (``rope_interleave``
+    false). megatron's MLA de-interleaves the rotary part before its ``rotate_half``
+    (``_apply_rotary_pos_emb_bshd(multi_latent_attention=True)``: ``[x0, x2, ..; x1, x3, ..]``),
+    as transformers' ``apply_rotary_pos_emb_interleave`` does, so HF's interleaved rows load as
+    stored; HF's halves ``[h0 .. h_{r/2-1}; h_{r/2} ..]`` must be stored interleaved
+    ``(h0, h_{r/2}), (h1, h_{r/2+1}), ..`` for that de-interleaving to give them back."""
+    half = rope // 2
+    return [offset + i for j in range(half) for i in (j, half + j)]
+
+
+def _q_rows(a: ModelArch) -> tuple[int, ...]:
+    """Each head's query rows ``[nope | rope]``, the rope rows interleaved when HF's are halves."""
+    m, d = a.mla, a.mla.q_head_dim
+    if m.rope_interleave:
+        return tuple(range(a.num_attention_heads * d))
+    return tuple(
+        row
+        for h in range(a.num_attention_heads)
+        for row in (
+            *range(h * d, h * d + m.qk_nope_head_dim),
+            *_interleave(m.qk_rope_head_dim, h * d + m.qk_nope_head_dim),
+        )
+    )
+
+
+def _kv_down_rows(a: ModelArch) -> tuple[int, ...]:
+    """The latent's rows ``[kv_lora_rank | rope]``, the rope rows interleaved when HF's are halves."""
+    m = a.mla
+    if m.rope_interleave:
+        return tuple(range(m.kv_lora_rank + m.qk_rope_head_dim))
+    return (*range(m.kv_lora_rank), *_interleave(m.qk_rope_head_dim, m.kv_lora_rank))
 
 
 def _untied_lm_head(a: ModelArch) -> bool:
@@ -242,6 +297,76 @@ def _attention_rules(L: str, H: str) -> tuple[ParamRule, ...]:
             A + "o_proj.weight",
             tp_dim=1,
             shape=lambda a, tp: (a.hidden_size, a.num_attention_heads * a.head_dim),
+        ),
+    )
+
+
+def _mla_attention_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """Multi-latent attention (DeepSeek-V3) with megatron's local spec: the input norm, the query's
+    low-rank pair with its norm (or one ``q_proj``), the fused key/value latent plus the shared rotary
+    key, its norm, the up-projection to per-head ``[k_nope | v]``, and the output projection.
+
+    The local spec's down-projections are column-parallel (each TP rank holds a slice of the latent
+    rows and gathers them); the up-projections split heads; the norms are replicated. The rotary
+    rows load as stored when HF interleaves them (DeepSeek's default: megatron's MLA de-interleaves
+    them itself) and are reordered (``row_order``) into pairs when HF rotates halves."""
+    S, A = L + "self_attention.", H + "self_attn."
+
+    return (
+        _copy(L + "input_layernorm.weight", H + "input_layernorm.weight", shape=_hidden),
+        _copy(
+            S + "linear_q_down_proj.weight",
+            A + "q_a_proj.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (a.mla.q_lora_rank, a.hidden_size),
+            when=_q_lora,
+        ),
+        _copy(
+            S + "q_layernorm.weight",
+            A + "q_a_layernorm.weight",
+            shape=lambda a, tp: (a.mla.q_lora_rank,),
+            when=_q_lora,
+        ),
+        _copy(
+            S + "linear_q_up_proj.weight",
+            A + "q_b_proj.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (a.num_attention_heads * a.mla.q_head_dim, a.mla.q_lora_rank),
+            when=_q_lora,
+            row_order=_q_rows,
+        ),
+        _copy(
+            S + "linear_q_proj.weight",
+            A + "q_proj.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (a.num_attention_heads * a.mla.q_head_dim, a.hidden_size),
+            when=_no_q_lora,
+            row_order=_q_rows,
+        ),
+        _copy(
+            S + "linear_kv_down_proj.weight",
+            A + "kv_a_proj_with_mqa.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (a.mla.kv_lora_rank + a.mla.qk_rope_head_dim, a.hidden_size),
+            row_order=_kv_down_rows,
+        ),
+        _copy(
+            S + "kv_layernorm.weight", A + "kv_a_layernorm.weight", shape=lambda a, tp: (a.mla.kv_lora_rank,)
+        ),
+        _copy(
+            S + "linear_kv_up_proj.weight",
+            A + "kv_b_proj.weight",
+            tp_dim=0,
+            shape=lambda a, tp: (
+                a.num_attention_heads * (a.mla.qk_nope_head_dim + a.mla.v_head_dim),
+                a.mla.kv_lora_rank,
+            ),
+        ),
+        _copy(
+            S + "linear_proj.weight",
+            A + "o_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.num_attention_heads * a.mla.v_head_dim),
         ),
     )
 
@@ -334,6 +459,48 @@ def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
     )
 
 
+def _deepseek_shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """DeepSeek-V3's / GLM-4.5's shared experts: one SwiGLU MLP of ``n_shared_experts`` experts'
+    width on every token of a sparse layer, split by the attention's TP, added without a gate."""
+    S, X = L + "mlp.shared_experts.", H + "mlp.shared_experts."
+    return (
+        ParamRule(
+            mcore=(S + "linear_fc1.weight",),
+            hf=(X + "gate_proj.weight", X + "up_proj.weight"),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * a.moe.shared_expert_ffn_hidden_size, a.hidden_size),
+            when=_shared_expert,
+            on_layer=_moe_layer,
+        ),
+        _copy(
+            S + "linear_fc2.weight",
+            X + "down_proj.weight",
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.moe.shared_expert_ffn_hidden_size),
+            when=_shared_expert,
+            on_layer=_moe_layer,
+        ),
+    )
+
+
+def _deepseek_moe_layer_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """A DeepSeekMoE sparse layer (DeepSeek-V3, GLM-4.5): norm, sigmoid router with its
+    score-correction bias (megatron's ``expert_bias`` buffer), routed and shared experts."""
+    norm_router_experts = _moe_layer_rules(L, H, QWEN_MOE)[:4]  # norm, router, experts (no Qwen2 gate)
+    return (
+        *norm_router_experts,
+        _copy(
+            L + "mlp.router.expert_bias",
+            H + "mlp.gate.e_score_correction_bias",
+            shape=lambda a, tp: (a.moe.num_experts,),
+            when=_expert_bias,
+            on_layer=_moe_layer,
+        ),
+        *_deepseek_shared_expert_rules(L, H),
+    )
+
+
 def _moe_layer_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
     """A sparse layer's norm, router, routed experts and (Qwen2-MoE) gated shared expert."""
     return (
@@ -408,6 +575,19 @@ def decoder_rules(prefix: str = "", moe: MoENames | None = None) -> tuple[ParamR
         *_mlp_rules(L, H),
         *(_moe_layer_rules(L, H, moe) if moe is not None else ()),
         *_output_rules(e),
+    )
+
+
+def deepseek_moe_decoder_rules(mla: bool) -> tuple[ParamRule, ...]:
+    """DeepSeek-V3 (``mla``: multi-latent attention) and GLM-4.5 (grouped-query attention with q/k/v
+    biases and optional q/k norms): dense first layers, then DeepSeekMoE sparse layers."""
+    L, H = "decoder.layers.{layer}.", "model.layers.{layer}."
+    return (
+        *_embedding_rules(""),
+        *(_mla_attention_rules(L, H) if mla else _attention_rules(L, H)),
+        *_mlp_rules(L, H),
+        *_deepseek_moe_layer_rules(L, H),
+        *_output_rules(""),
     )
 
 
@@ -608,4 +788,6 @@ SPECS: dict[str, ArchSpec] = {
     **{t: ArchSpec((t,), decoder_rules()) for t in _TEXT_TYPES},
     **{t: ArchSpec((t,), decoder_rules(moe=names)) for t, names in _MOE_TYPES.items()},
     **dict.fromkeys(_VL_TYPES, _VL_SPEC),
+    "deepseek_v3": ArchSpec(("deepseek_v3",), deepseek_moe_decoder_rules(mla=True)),
+    "glm4_moe": ArchSpec(("glm4_moe",), deepseek_moe_decoder_rules(mla=False)),
 }

@@ -8,7 +8,8 @@ head_dim defaults to 64 because vLLM's CPU attention rejects 16. Keep
 ``head_dim`` and derives it from the hidden size.
 
 ``make_tiny_moe_model`` writes a tiny mixture-of-experts Qwen3-MoE, Qwen2-MoE
-(shared expert, q/k/v biases) or Mixtral with the same tokenizer.
+(shared expert, q/k/v biases), Mixtral, DeepSeek-V3 (multi-latent attention with YaRN,
+group-limited sigmoid routing) or GLM-4.5 with the same tokenizer.
 
 ``make_tiny_qwen2_5_vl`` writes a tiny Qwen2.5-VL (or Qwen2-VL) with the tiny
 VL processor (``data.tokenizer.build_tiny_vl_processor``), so
@@ -160,7 +161,58 @@ def make_tiny_hf_model(
     return out_dir
 
 
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
+
+TINY_MLA = dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+"""The tiny DeepSeek-V3's multi-latent attention (TP 2 splits its latents and heads)."""
+TINY_YARN = dict(
+    rope_type="yarn",
+    factor=4.0,
+    original_max_position_embeddings=64,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
+
+def _deepseek_moe_config(
+    family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups
+):
+    """DeepSeek-V3 (MLA with YaRN, ``groups`` = (n_group, topk_group)) or GLM-4.5 (q/k/v biases,
+    q/k norms, half-rotary heads): sigmoid router with correction bias, one shared expert, the
+    leading ``len(mlp_only_layers)`` layers dense. No next-token-prediction layers."""
+    import transformers
+
+    if tuple(mlp_only_layers) != tuple(range(len(mlp_only_layers))):
+        raise ValueError(f"tiny {family}: only the leading layers can be dense, got {mlp_only_layers}")
+    n_group, topk_group = groups
+    moe = dict(
+        n_routed_experts=num_experts,
+        n_shared_experts=1,
+        moe_intermediate_size=expert_ffn_hidden_size,
+        intermediate_size=ffn_hidden_size,
+        first_k_dense_replace=len(mlp_only_layers),
+        norm_topk_prob=True,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_nextn_predict_layers=0,
+    )
+    common = {k: v for k, v in common.items() if k != "router_aux_loss_coef"}
+    if family == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            routed_scaling_factor=1.0,
+            **moe,
+            **common,
+        )
+    common.pop("head_dim")
+    common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one key/value per head
+    return transformers.DeepseekV3Config(
+        **TINY_MLA, rope_scaling=dict(TINY_YARN), routed_scaling_factor=2.5, **moe, **common
+    )
 
 
 def build_tiny_moe_model(
@@ -181,15 +233,18 @@ def build_tiny_moe_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    groups: tuple[int, int] = (1, 1),
 ):
     """A random mixture-of-experts model (float32, seeded) and the tiny tokenizer: ``(model, tokenizer)``.
 
     ``family``: ``qwen3_moe`` (q/k norms; ``norm_topk_prob`` defaults to True, as Qwen3-30B-A3B
     ships), ``qwen2_moe`` (q/k/v biases and a gated shared expert of
     ``shared_expert_ffn_hidden_size``; ``norm_topk_prob`` defaults to False, as Qwen1.5-MoE ships) or
-    ``mixtral`` (experts of ``expert_ffn_hidden_size``; always renormalises). ``mlp_only_layers``
-    keeps those layers dense (``ffn_hidden_size``; Qwen families). Router weights are drawn wider
-    than the rest so the top-k choice is not decided by rounding.
+    ``mixtral`` (experts of ``expert_ffn_hidden_size``; always renormalises), ``deepseek_v3`` or
+    ``glm4_moe`` (see ``_deepseek_moe_config``; ``groups``: DeepSeek's (n_group, topk_group)).
+    ``mlp_only_layers`` keeps those layers dense (``ffn_hidden_size``; Qwen families, and the leading
+    layers of DeepSeek/GLM). Router weights are drawn wider than the rest so the top-k choice is not
+    decided by rounding; DeepSeek/GLM's score-correction bias is random too.
     """
     import transformers
 
@@ -214,7 +269,11 @@ def build_tiny_moe_model(
         num_experts_per_tok=top_k,
         router_aux_loss_coef=router_aux_loss_coef,
     )
-    if family == "mixtral":
+    if family in ("deepseek_v3", "glm4_moe"):
+        config = _deepseek_moe_config(
+            family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups
+        )
+    elif family == "mixtral":
         config = transformers.MixtralConfig(
             intermediate_size=expert_ffn_hidden_size, num_local_experts=num_experts, **common
         )
@@ -242,6 +301,9 @@ def build_tiny_moe_model(
             else:
                 std = 0.5 if name.endswith("gate.weight") and "shared" not in name else 0.05
                 p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model, tokenizer
 
 

@@ -10,7 +10,10 @@ checkpoints store it as JSON. A preset's ``model_arch`` section and a checkpoint
 Supported families (causal LM, plus the token/sequence-classification variants
 used for critics and reward models): Llama 2/3/3.x, Mistral, Qwen2/Qwen2.5,
 Qwen3; the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral (top-k softmax
-routers over SwiGLU experts, described by ``MoEArch``); and the vision-language
+routers over SwiGLU experts, described by ``MoEArch``) and GLM-4.5 (``Glm4MoeForCausalLM``:
+DeepSeekMoE's sigmoid router with a score-correction bias, group-limited top-k and shared
+experts, over grouped-query attention with partial rotary and optional q/k norms); and the
+vision-language
 Qwen2-VL and Qwen2.5-VL (``*ForConditionalGeneration``: a Qwen2 language model
 with M-RoPE plus a vision tower, described by ``VisionArch``). Anything else is
 rejected here, with the list of what is supported, so an unsupported model never
@@ -36,6 +39,7 @@ from typing import Any, Literal
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "HeadKind",
+    "MLAArch",
     "MoEArch",
     "ModelArch",
     "RopeScaling",
@@ -80,12 +84,18 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2_moe": _Family("Qwen2Moe", True, False, _TEXT_HEADS, moe=True),
     "qwen3_moe": _Family("Qwen3Moe", False, True, _TEXT_HEADS, moe=True),
     "mixtral": _Family("Mixtral", False, False, _TEXT_HEADS, norm_eps=1e-5, moe=True),
+    "deepseek_v3": _Family("DeepseekV3", False, False, _TEXT_HEADS, moe=True),
+    "glm4_moe": _Family("Glm4Moe", False, False, _TEXT_HEADS, norm_eps=1e-5, moe=True),
     "qwen2_vl": _Family("Qwen2VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
     "qwen2_5_vl": _Family("Qwen2_5_VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f.prefix + suffix for f in _FAMILIES.values() for suffix in f.heads
 )
+# model_type spellings of a family's configs (Kimi-K2 ships DeepseekV3ForCausalLM as kimi_k2).
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+# Families whose routers are DeepSeekMoE's: sigmoid scores, score-correction bias, groups.
+_SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")
 # Critic/reward variants of any family (for a vision-language family they exist only
 # inside this project: HF has no such class).
 _SCALAR_HEAD_SUFFIXES = {"value": "ForTokenClassification", "reward": "ForSequenceClassification"}
@@ -129,14 +139,50 @@ class RopeScaling:
 
     ``llama3`` matches megatron's ``rope_scaling=True`` (only with megatron's
     fixed low/high frequency factors 1 and 4 and original context 8192);
-    ``linear`` matches megatron's ``seq_len_interpolation_factor``.
+    ``linear`` matches megatron's ``seq_len_interpolation_factor``; ``yarn`` (multi-latent
+    attention only) matches megatron's ``YarnRotaryEmbedding``: frequencies blended between
+    ``beta_fast`` and ``beta_slow`` rotations, cos/sin scaled by
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` and the softmax by
+    ``mscale(factor, mscale_all_dim)^2``, as DeepSeek's reference code does.
     """
 
-    rope_type: Literal["llama3", "linear"]
+    rope_type: Literal["llama3", "linear", "yarn"]
     factor: float
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class MLAArch:
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight).
+
+    Queries go through a low-rank bottleneck (``q_a_proj`` -> RMSNorm -> ``q_b_proj``), or
+    one ``q_proj`` when ``q_lora_rank`` is None; keys and values share one compressed
+    latent (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``) plus a single rotary key
+    part shared by every head. Each head's query/key is ``[nope | rope]``.
+    """
+
+    q_lora_rank: int | None
+    """Query bottleneck width; None = a plain ``q_proj``."""
+    kv_lora_rank: int
+    """Key/value latent width."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary (megatron's ``qk_head_dim``)."""
+    qk_rope_head_dim: int
+    """Per-head rotary width (megatron's ``qk_pos_emb_head_dim``)."""
+    v_head_dim: int
+    rope_interleave: bool = True
+    """HF stores the rotary rows in interleaved pairs (``rope_interleave``, DeepSeek's default);
+    megatron's MLA de-interleaves them itself, so only halves (False) are reordered (``spec_rules``)."""
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -201,13 +247,15 @@ class VisionArch:
 
 @dataclass(frozen=True)
 class MoEArch:
-    """The mixture-of-experts MLPs of Qwen2-MoE, Qwen3-MoE and Mixtral.
+    """The mixture-of-experts MLPs of Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 and GLM-4.5.
 
     A sparse layer routes each token to ``top_k`` of ``num_experts`` SwiGLU experts:
     router logits in fp32, softmax, top-k (renormalised over the k when ``norm_topk_prob``),
     the experts' outputs summed with those weights. Qwen2-MoE adds a shared expert on
-    every token, scaled by ``sigmoid(shared_expert_gate(x))``. Layers not in
-    ``moe_layers`` are dense (``ModelArch.ffn_hidden_size``).
+    every token, scaled by ``sigmoid(shared_expert_gate(x))``. DeepSeek-V3 and GLM-4.5 route
+    on sigmoid scores instead (``score_function``, ``expert_bias``, groups, scaling factor) and
+    add ungated shared experts. Layers not in ``moe_layers`` are dense
+    (``ModelArch.ffn_hidden_size``).
     """
 
     num_experts: int
@@ -222,7 +270,25 @@ class MoEArch:
     moe_layers: tuple[int, ...]
     """The sparse layers (HF: not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
     shared_expert_ffn_hidden_size: int | None = None
-    """Qwen2-MoE's shared expert width (``shared_expert_intermediate_size``); None without one."""
+    """Width of the shared expert(s) every token goes through (Qwen2-MoE's
+    ``shared_expert_intermediate_size``; DeepSeek's and GLM-4.5's ``n_shared_experts x
+    moe_intermediate_size``); None without one."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE);
+    False: added as is (DeepSeek, GLM-4.5)."""
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Qwen, Mixtral) or a sigmoid per expert
+    (DeepSeek-V3, GLM-4.5, whose top-k weights are renormalised over the k chosen)."""
+    expert_bias: bool = False
+    """A per-expert bias added to the sigmoid scores for choosing the experts, not for weighting
+    them (HF ``e_score_correction_bias``); loaded from the checkpoint and kept fixed."""
+    num_groups: int | None = None
+    """Group-limited routing: the experts form this many equal groups (HF ``n_group``)..."""
+    group_topk: int | None = None
+    """...and each token picks among the experts of its best ``topk_group`` groups, a group
+    scored by the sum of its two best (bias-corrected) scores. None: no groups."""
+    routed_scaling_factor: float | None = None
+    """The routed experts' weights are multiplied by this (HF ``routed_scaling_factor``)."""
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -236,7 +302,7 @@ class ModelArch:
     """HF class name, e.g. ``LlamaForCausalLM`` (one of ``SUPPORTED_ARCHITECTURES``)."""
     model_type: str
     """HF ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``, ``qwen3_moe``,
-    ``mixtral``, ``qwen2_vl`` or ``qwen2_5_vl``."""
+    ``mixtral``, ``deepseek_v3`` (Kimi-K2's ``kimi_k2`` too), ``glm4_moe``, ``qwen2_vl`` or ``qwen2_5_vl``."""
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -277,6 +343,16 @@ class ModelArch:
     vision_end_token_id: int | None = None
     moe: MoEArch | None = None
     """The experts of a mixture-of-experts model; None for dense models."""
+    mla: MLAArch | None = None
+    """Multi-latent attention (DeepSeek-V3); None for grouped-query attention. With it
+    ``num_kv_heads`` equals the query heads and ``head_dim`` is the query/key head width."""
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates, the first ones (GLM-4.5's
+    ``partial_rotary_factor``)."""
+    mtp_layers: int = 0
+    """Next-token-prediction layers after the decoder (HF ``num_nextn_predict_layers``, stored as
+    ``model.layers.<num_layers + i>.*``); the engine does not build them: the conversion keeps
+    their tensors aside and writes them back on export."""
 
     # -- derived sizes -------------------------------------------------------
 
@@ -338,6 +414,8 @@ class ModelArch:
             data["mrope_section"] = tuple(data["mrope_section"])
         if data.get("moe") is not None:
             data["moe"] = MoEArch(**{**data["moe"], "moe_layers": tuple(data["moe"]["moe_layers"])})
+        if data.get("mla") is not None:
+            data["mla"] = MLAArch(**data["mla"])
         return cls(**data)
 
     @classmethod
@@ -359,6 +437,7 @@ class ModelArch:
         """Parse an HF config dict; ``head`` overrides the head implied by ``architectures``."""
         architecture = _architecture(config, source)
         model_type = config.get("model_type") or _model_type_of(architecture)
+        model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
         if model_type not in _FAMILIES:
             raise UnsupportedModelError(
                 f"{source}: model_type {model_type!r} is not supported; supported architectures: "
@@ -379,14 +458,18 @@ class ModelArch:
             raise UnsupportedModelError(f"{source}: required key(s) {', '.join(map(repr, missing))} missing")
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        kv_heads = int(text.get("num_key_value_heads") or heads)
+        mla = _mla_arch(text, source) if model_type == "deepseek_v3" else None
+        # MLA has no key/value heads to share: every query head has its own key and value.
+        kv_heads = heads if mla else int(text.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise UnsupportedModelError(
                 f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
             )
         # transformers' Qwen2-VL attention derives head_dim from hidden / heads, whatever config says.
         head_dim = hidden // heads if family.vision else int(text.get("head_dim") or hidden // heads)
-        theta, scaling = _rope(text, source, allow_mrope=family.vision)
+        if mla is not None:
+            head_dim = mla.q_head_dim  # HF's head_dim there is the rotary part only
+        theta, scaling = _rope(text, source, allow_mrope=family.vision, allow_yarn=mla is not None)
         moe = _moe_arch(text, model_type, source) if family.moe else None
         arch = cls(
             architecture=architecture,
@@ -400,8 +483,8 @@ class ModelArch:
             vocab_size=int(text["vocab_size"]),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
             # Qwen2-MoE's config may switch its q/k/v biases off (``qkv_bias``).
-            qkv_bias=bool(text.get("qkv_bias", True)) if model_type == "qwen2_moe" else family.qkv_bias,
-            qk_norm=family.qk_norm,
+            qkv_bias=_qkv_bias(text, family, model_type),
+            qk_norm=bool(text.get("use_qk_norm", False)) if model_type == "glm4_moe" else family.qk_norm,
             rope_theta=theta,
             rope_scaling=scaling,
             norm_eps=float(text.get("rms_norm_eps", family.norm_eps)),
@@ -411,6 +494,9 @@ class ModelArch:
             head_bias=head_of_config == "value" and bool(text.get("token_classification_bias", True)),
             initializer_range=float(text.get("initializer_range", 0.02)),
             moe=moe,
+            mla=mla,
+            rotary_percent=_rotary_percent(text, model_type, source),
+            mtp_layers=_mtp_layers(text),
             **(_vision_fields(config, text, model_type, hidden, head_dim, source) if family.vision else {}),
         )
         return arch.with_head(head) if head is not None else arch
@@ -467,12 +553,66 @@ def _reject_unsupported_options(
         )
     # Llama/Mistral/Qwen3 put attention_bias on q, k, v *and* o; megatron can
     # only bias o together with every MLP linear (add_bias_linear), so refuse.
-    if not family.qkv_bias and config.get("attention_bias"):
+    # (GLM-4.5's attention_bias is on q, k and v only.)
+    if not family.qkv_bias and model_type != "glm4_moe" and config.get("attention_bias"):
         raise UnsupportedModelError(
             f"{source}: attention_bias=true (bias on the output projection) is not supported for {model_type}"
         )
     if config.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "?")
+        raise UnsupportedModelError(
+            f"{source}: quantization_config ({method}) is set, but the engine trains unquantised weights; "
+            "convert the checkpoint to bf16 (e.g. DeepSeek's fp8_cast_bf16.py) and remove quantization_config"
+        )
+
+
+def _qkv_bias(config: dict[str, Any], family: _Family, model_type: str) -> bool:
+    if model_type == "qwen2_moe":  # Qwen2-MoE's config may switch its q/k/v biases off
+        return bool(config.get("qkv_bias", True))
+    if model_type == "glm4_moe":
+        return bool(config.get("attention_bias", False))
+    return family.qkv_bias
+
+
+def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE keys from either transformers-5 ``rope_parameters`` or 4.x ``rope_scaling`` (the first wins)."""
+    return {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+
+
+def _rotary_percent(config: dict[str, Any], model_type: str, source: str) -> float:
+    if model_type != "glm4_moe":
+        return 1.0
+    # transformers' Glm4MoeConfig default is 0.5 (GLM-4.5 ships it)
+    factor = float(
+        _rope_params(config).get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
+    )
+    if not 0.0 < factor <= 1.0:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor {factor} must be in (0, 1]")
+    return factor
+
+
+def _mtp_layers(config: dict[str, Any]) -> int:
+    return int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0)
+
+
+def _mla_arch(config: dict[str, Any], source: str) -> MLAArch:
+    """``MLAArch`` from a DeepSeek-V3 config (transformers' defaults for missing keys)."""
+    q_lora = config.get("q_lora_rank", 1536)
+    mla = MLAArch(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(config.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(config.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(config.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(config.get("v_head_dim", 128)),
+        rope_interleave=bool(config.get("rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2 or mla.qk_rope_head_dim <= 0:
+        raise UnsupportedModelError(
+            f"{source}: qk_rope_head_dim {mla.qk_rope_head_dim} must be a positive even number"
+        )
+    return mla
 
 
 def _sliding_window(config: dict[str, Any], model_type: str, source: str) -> int | None:
@@ -490,7 +630,9 @@ def _sliding_window(config: dict[str, Any], model_type: str, source: str) -> int
     return int(window)
 
 
-def _rope(config: dict[str, Any], source: str, allow_mrope: bool = False) -> tuple[float, RopeScaling | None]:
+def _rope(
+    config: dict[str, Any], source: str, allow_mrope: bool = False, allow_yarn: bool = False
+) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling, from either transformers-5 ``rope_parameters`` or 4.x keys.
 
     M-RoPE (``type: mrope``, vision-language models) is plain RoPE per position stream;
@@ -506,6 +648,31 @@ def _rope(config: dict[str, Any], source: str, allow_mrope: bool = False) -> tup
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "yarn" and allow_yarn:
+        # megatron's YarnRotaryEmbedding rounds the correction range (HF truncate=true), derives the
+        # cos/sin factor from mscale and mscale_all_dim (HF does so only when both are set).
+        unsupported = {
+            k: scaling[k]
+            for k in ("attention_factor", "truncate")
+            if scaling.get(k) is not None and not (k == "truncate" and scaling[k])
+        }
+        if not scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            unsupported["mscale"] = scaling.get("mscale")
+        if unsupported:
+            raise UnsupportedModelError(
+                f"{source}: yarn RoPE scaling with {unsupported} is not supported by megatron-core's "
+                "YarnRotaryEmbedding; remove attention_factor / truncate, or set mscale (1.0) next to mscale_all_dim"
+            )
+        original = scaling.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+        return theta, RopeScaling(
+            "yarn",
+            float(scaling["factor"]),
+            original_max_position_embeddings=int(original or 4096),
+            beta_fast=float(scaling.get("beta_fast") or 32.0),
+            beta_slow=float(scaling.get("beta_slow") or 1.0),
+            mscale=float(scaling.get("mscale") or 1.0),
+            mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
+        )
     if rope_type == "llama3":
         values = {k: float(scaling.get(k, v)) for k, v in _MCORE_LLAMA3_DEFAULTS.items()}
         wrong = {k: v for k, v in values.items() if v != _MCORE_LLAMA3_DEFAULTS[k]}
@@ -522,7 +689,8 @@ def _rope(config: dict[str, Any], source: str, allow_mrope: bool = False) -> tup
             int(values["original_max_position_embeddings"]),
         )
     raise UnsupportedModelError(
-        f"{source}: RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+        f"{source}: RoPE scaling type {rope_type!r} is not supported (supported: default, linear, llama3"
+        f"{', yarn' if allow_yarn else '; yarn with multi-latent attention (DeepSeek-V3) only'})"
     )
 
 
@@ -543,6 +711,8 @@ def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
     Hub configs name the expert count ``num_experts`` (Qwen) or ``num_local_experts``
     (Mixtral); transformers 5 writes ``num_local_experts`` for Qwen3-MoE too.
     """
+    if model_type in _SIGMOID_ROUTER_FAMILIES:
+        return _deepseek_moe_arch(config, model_type, source)
     experts, top_k, width, shared = _MOE_DEFAULTS[model_type]
     experts = int(config.get("num_experts") or config.get("num_local_experts") or experts)
     top_k = int(config.get("num_experts_per_tok") or top_k)
@@ -582,6 +752,82 @@ def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
         aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
         moe_layers=sparse,
         shared_expert_ffn_hidden_size=int(shared) if shared else None,
+    )
+
+
+# transformers' defaults: (routed experts, per token, expert width, shared experts, groups,
+# groups per token, leading dense layers, routed scaling factor).
+_DEEPSEEK_MOE_DEFAULTS = {
+    "deepseek_v3": (256, 8, 2048, 1, 8, 4, 3, 2.5),
+    "glm4_moe": (128, 8, 1408, 1, 1, 1, 1, 1.0),
+}
+
+
+def _deepseek_moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
+    """DeepSeekMoE (DeepSeek-V3, GLM-4.5): a sigmoid router whose top-k is chosen on scores plus
+    ``e_score_correction_bias`` (within the best ``topk_group`` of ``n_group`` groups), weighted by
+    the plain scores renormalised and times ``routed_scaling_factor``; ``n_shared_experts`` shared
+    experts on every token; the first ``first_k_dense_replace`` layers dense."""
+    experts, top_k, width, shared, groups, group_topk, dense, scale = _DEEPSEEK_MOE_DEFAULTS[model_type]
+    experts = int(config.get("n_routed_experts") or config.get("num_local_experts") or experts)
+    top_k = int(config.get("num_experts_per_tok") or top_k)
+    layers = int(config["num_hidden_layers"])
+    topk_method = config.get("topk_method", "noaux_tc")
+    if model_type == "deepseek_v3" and topk_method != "noaux_tc":
+        raise UnsupportedModelError(
+            f"{source}: topk_method {topk_method!r} is not supported; the engine routes as DeepSeek-V3's "
+            "'noaux_tc' (sigmoid scores plus e_score_correction_bias, group-limited top-k)"
+        )
+    scoring = config.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedModelError(
+            f"{source}: scoring_func {scoring!r} is not supported for {model_type}; only 'sigmoid' "
+            "(DeepSeek-V3's and GLM-4.5's router)"
+        )
+    if not 1 <= top_k <= experts:
+        raise UnsupportedModelError(
+            f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts"
+        )
+    norm = bool(config.get("norm_topk_prob", True))
+    if not norm and top_k > 1:
+        raise UnsupportedModelError(
+            f"{source}: norm_topk_prob=false with a sigmoid router is not supported (megatron-core "
+            "renormalises the chosen sigmoid scores); set norm_topk_prob to true as DeepSeek-V3 and GLM-4.5 ship"
+        )
+    groups = int(config.get("n_group") or groups)
+    group_topk = int(config.get("topk_group") or group_topk)
+    # megatron scores a group by the sum of its top (top_k // topk_group) experts, HF by its top 2.
+    if groups > 1 and (experts % groups or not 1 <= group_topk <= groups or top_k // group_topk != 2):
+        raise UnsupportedModelError(
+            f"{source}: n_group={groups} / topk_group={group_topk} with {experts} experts and "
+            f"num_experts_per_tok={top_k} is not supported: the groups must split the experts evenly and "
+            "num_experts_per_tok // topk_group must be 2 (megatron-core scores a group by the sum of its "
+            "best num_experts_per_tok // topk_group experts, transformers by its best 2)"
+        )
+    dense = int(config.get("first_k_dense_replace", dense) or 0)
+    freq = int(config.get("moe_layer_freq", 1) or 1)
+    if not 0 <= dense <= layers:
+        raise UnsupportedModelError(
+            f"{source}: first_k_dense_replace={dense} must be between 0 and num_hidden_layers={layers}"
+        )
+    shared = int(config.get("n_shared_experts", shared) or 0)
+    width = int(config.get("moe_intermediate_size") or width)
+    scale = float(config.get("routed_scaling_factor", scale) or 1.0)
+    return MoEArch(
+        num_experts=experts,
+        top_k=top_k,
+        ffn_hidden_size=width,
+        norm_topk_prob=True,
+        # DeepSeek balances through the bias (aux-loss-free), not through an auxiliary loss.
+        aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
+        moe_layers=tuple(i for i in range(dense, layers) if i % freq == 0),
+        shared_expert_ffn_hidden_size=shared * width if shared else None,
+        shared_expert_gate=False,
+        score_function="sigmoid",
+        expert_bias=True,
+        num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None,
+        routed_scaling_factor=scale if scale != 1.0 else None,
     )
 
 

@@ -1,12 +1,14 @@
 """``convert`` for mixture-of-experts models: HF -> megatron (EP2 x PP2 and TP2 x EP2) -> HF.
 
-For Qwen3-MoE, Qwen2-MoE and Mixtral: the round trip is bit-exact, every expert tensor is in
+For Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 (multi-latent attention): the round
+trip is bit-exact (the score-correction bias buffer, and its next-token-prediction layer, which is not trained but kept
+in the checkpoint's ``mtp_layers/`` and written back as stored, included), every expert tensor is in
 the export exactly once (over several safetensors shards), the export loads in transformers
 with the original logits (also when the checkpoint has no config.json and one is rebuilt from
 the arch), and a distributed checkpoint saved at one expert-parallel size loads at others
 (megatron reshards the experts) with transformers' logits.
 
-Process starts dominate on CPU: the six ``hf-to-mcore`` runs go through the command line on
+Process starts dominate on CPU: the ten ``hf-to-mcore`` runs go through the command line on
 4 already-started ranks (its torchrun path), followed by the reloads at other layouts in the
 same processes; the exports share one fresh process.
 """
@@ -22,6 +24,7 @@ from safetensors import safe_open
 
 from rlhf_megatron.convert import main
 from rlhf_megatron.models.checkpoint import CKPT_METADATA_FILE
+from rlhf_megatron.models.mtp import MTP_DIR
 from rlhf_megatron.platform.multiproc import run_on_ranks
 
 from . import tiny_moe
@@ -31,6 +34,15 @@ LAYOUTS = {"ep2pp2": ["--ep", "2", "--pp", "2"], "tp2ep2": ["--tp", "2", "--ep",
 
 
 RELOAD_LAYOUTS = [(1, 1, 1), (1, 1, 4), (2, 2, 1)]  # (tp, pp, ep); saved at EP2 x PP2 and TP2 x EP2
+NEW_FAMILY_RELOADS = {"ep2pp2": [(2, 2, 1)]}
+"""GLM-4.5 and DeepSeek-V3 share the reload path of the others (and its time is what this module
+costs): one checkpoint, reloaded at a layout that changes every parallelism it was saved with."""
+
+
+def _reload_layouts(family: str, layout: str) -> list[tuple[int, int, int]]:
+    if family in tiny_moe.SIGMOID_ROUTED:
+        return NEW_FAMILY_RELOADS.get(layout, [])
+    return RELOAD_LAYOUTS
 
 
 def _convert_and_reload(rank, world_size, jobs, reloads):
@@ -47,6 +59,8 @@ def converted(tmp_path_factory):
     out, jobs, exports, reloads = {}, [], [], []
     for family in tiny_moe.FAMILIES:
         hf = tiny_moe.make_model_dir(root, family)
+        if family == "glm4_moe":  # as GLM-4.5 ships: one next-token-prediction layer
+            tiny_moe.add_mtp_layer(hf)
         model = tiny_moe.load_hf(hf)
         batch = tiny_moe.padded_batch(model.config.vocab_size)
         out[family] = {"hf": hf, "batch": batch, "ref": tiny_moe.hf_outputs(model, *batch)[0]}
@@ -57,14 +71,16 @@ def converted(tmp_path_factory):
                 ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(export), "--max-shard-size", "300KB"]
             )
             out[family][layout] = (ckpt, export)
-            reloads.append((family, str(ckpt), batch))
-    out["reloaded"] = [row for rows in run_on_ranks(_convert_and_reload, 4, jobs, reloads) for row in rows]
+            reloads.append((family, str(ckpt), batch, _reload_layouts(family, layout)))
+    ranks = run_on_ranks(_convert_and_reload, 4, jobs, reloads, timeout_s=1200)
+    out["reloaded"] = [row for rows in ranks for row in rows]
     # Qwen2-MoE's checkpoint without its config.json: the export writes one from the arch.
-    bare = root / "qwen2_moe-bare"
-    shutil.copytree(out["qwen2_moe"]["ep2pp2"][0], bare)
-    (bare / "config.json").unlink()
-    exports.append(["mcore-to-hf", "--ckpt", str(bare), "--out", str(root / "bare-hf"), "--no-verify"])
-    out["bare"] = root / "bare-hf"
+    if "qwen2_moe" in out:  # (absent when a run narrows tiny_moe.FAMILIES)
+        bare = root / "qwen2_moe-bare"
+        shutil.copytree(out["qwen2_moe"]["ep2pp2"][0], bare)
+        (bare / "config.json").unlink()
+        exports.append(["mcore-to-hf", "--ckpt", str(bare), "--out", str(root / "bare-hf"), "--no-verify"])
+        out["bare"] = root / "bare-hf"
     proc = _export_in_subprocess(*[[*e, "--no-progress"] for e in exports])
     assert proc.returncode == 0, proc.stderr
     return out
@@ -102,6 +118,13 @@ def test_round_trip_is_bit_exact_with_each_expert_once(converted, family, layout
     assert len([n for n in exported if ".experts." in n]) == len(_expert_keys(family))
     meta = json.loads((ckpt / CKPT_METADATA_FILE).read_text())
     assert meta["expert_model_parallel_size"] == 2 and meta["arch"]["moe"]["top_k"] == 2
+    mtp = {n for n in original if n.startswith("model.layers.2.")}  # past num_hidden_layers = 2
+    assert bool(mtp) == (family == "glm4_moe")
+    assert (ckpt / MTP_DIR).is_dir() == bool(mtp)
+    if mtp:
+        assert any(f.startswith(f"{MTP_DIR}/") for f in meta["files"])  # hashed with the rest
+        bias = {n for n in original if n.endswith("e_score_correction_bias")}
+        assert bias == {"model.layers.1.mlp.gate.e_score_correction_bias", *(mtp & bias)}
 
 
 @pytest.mark.slow
@@ -125,9 +148,9 @@ def _load_and_forward(reloads):
     from rlhf_megatron.platform import init_model_parallel
 
     out = []
-    for family, ckpt, batch in reloads:
+    for family, ckpt, batch, layouts in reloads:
         arch = read_checkpoint_metadata(ckpt).arch
-        for tp, pp, ep in RELOAD_LAYOUTS:
+        for tp, pp, ep in layouts:
             init_model_parallel(tp, pp, expert_model_parallel_size=ep)
             chunks = build_gpt_model(
                 arch, ParallelConfig(tp, pp, expert_model_parallel_size=ep), init_weights=False
@@ -152,6 +175,6 @@ def test_checkpoint_saved_at_one_ep_loads_at_others(converted):
         (str(converted[f][saved][0]), layout)
         for f in tiny_moe.FAMILIES
         for saved in LAYOUTS
-        for layout in RELOAD_LAYOUTS
+        for layout in _reload_layouts(f, saved)
     }
     assert seen == expected

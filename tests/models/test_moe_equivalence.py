@@ -2,10 +2,13 @@
 
 Real megatron-core on 4 gloo ranks, one process start for everything (parallel state is
 re-initialised between layouts). For Qwen3-MoE, Qwen2-MoE (shared expert, q/k/v biases, a
-dense layer among sparse ones) and Mixtral:
+dense layer among sparse ones), Mixtral, GLM-4.5 (group-limited sigmoid routing with
+score-correction bias, half-rotary heads) and DeepSeek-V3 (the same router, multi-latent attention
+with YaRN); the last two's expected expert load comes from the experts transformers' routers
+chose, read with a forward hook:
 
 - fp32 logits equal transformers' within 1e-5 relative at EP1, EP2, TP2 x EP2 and EP2 x PP2
-  (plus expert tensor parallelism at EP2 x ETP2 and TP2 x EP2 x ETP1 for Qwen3-MoE), on a
+  (GLM-4.5 and DeepSeek-V3: EP1 and TP2 x EP2) (plus expert tensor parallelism at EP2 x ETP2 and TP2 x EP2 x ETP1 for Qwen3-MoE), on a
   left-padded batch; the expert load the routers report equals transformers' top-k choices;
 - sequence parallelism (TP2 x EP2, TP2 x PP2 x EP2 for Qwen3-MoE) gives the same logits, and a
   training step at TP2 x EP2 with it the same loss and untouched-by-TP weights as EP1;
@@ -28,12 +31,20 @@ from . import tiny_moe
 
 REL_TOL = 1e-5
 FORWARD_LAYOUTS = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 2, None), (1, 2, 2, None)]  # (tp, pp, ep, etp)
+NEW_FAMILY_LAYOUTS = [(1, 1, 1, None), (2, 1, 2, None)]  # GLM-4.5, DeepSeek-V3: TP1 and TP2 x EP2
 ETP_LAYOUTS = [(1, 1, 2, 2), (2, 1, 2, 1)]
 SP_LAYOUTS = [(2, 1, 2, 1, "sp"), (2, 2, 2, 1, "sp")]  # sequence parallelism (models/norms.py on CPU)
+TRAIN_FAMILIES = ("qwen3_moe", "qwen2_moe")
 TRAIN_EP = (1, 2, 4)
 TRAIN_TP_SP = "tp2ep2sp"  # TP2 x EP2 with sequence parallelism: DP 2, four rows per rank
 TP_SPLIT = ("word_embeddings", "output_layer", "self_attention.linear_", "mlp.linear_fc", "shared_experts")
 LR, ADAM_EPS = 1e-3, 1e-8  # megatron's default adam_eps
+
+
+def _layouts(family: str) -> list[tuple]:
+    if family in tiny_moe.SIGMOID_ROUTED:
+        return NEW_FAMILY_LAYOUTS
+    return FORWARD_LAYOUTS + (ETP_LAYOUTS + SP_LAYOUTS if family == "qwen3_moe" else [])
 
 
 def _forward(case):
@@ -161,12 +172,14 @@ def results(tmp_path_factory):
         model = tiny_moe.load_hf(hf_dir)
         batch = tiny_moe.padded_batch(model.config.vocab_size)
         logits, router = tiny_moe.hf_outputs(model, *batch)
-        layouts = FORWARD_LAYOUTS + (ETP_LAYOUTS + SP_LAYOUTS if family == "qwen3_moe" else [])
+        if family in tiny_moe.SIGMOID_ROUTED:
+            router = tiny_moe.hf_expert_choices(model, *batch)
+        layouts = _layouts(family)
         forward.append(
             {"name": family, "hf_dir": str(hf_dir), "batch": batch, "ref": logits, "layouts": layouts}
         )
         train_batch = tiny_moe.padded_batch(model.config.vocab_size, batch=8, seed=2)
-        if family != "mixtral":
+        if family in TRAIN_FAMILIES:
             train.append({"name": family, "hf_dir": str(hf_dir), "batch": train_batch})
         refs[family] = {"model": model, "batch": batch, "router": router, "train_batch": train_batch}
     out = run_on_ranks(_run, 4, forward, train, timeout_s=900)
@@ -190,8 +203,7 @@ def _moe_layers(family):
 def test_logits_match_transformers_at_ep1_ep2_tp2ep2_ep2pp2(results, family):
     rows = [r for r in results["forward"] if r["name"] == family]
     with_logits = {r["layout"] for r in rows if "rel_err" in r}
-    expected = FORWARD_LAYOUTS + (ETP_LAYOUTS + SP_LAYOUTS if family == "qwen3_moe" else [])
-    assert with_logits == set(expected)
+    assert with_logits == set(_layouts(family))
     for r in rows:
         if "rel_err" in r:
             assert r["rel_err"] <= REL_TOL, (family, r["layout"], r["rel_err"])
@@ -203,10 +215,16 @@ def test_expert_load_matches_transformers_routing(results, family):
     ref = results["refs"][family]
     valid = ref["batch"][1].bool()
     top_k = tiny_moe.SIZES["top_k"]
-    expected = {
-        layer: tiny_moe.expert_counts(logits, valid, top_k)
-        for layer, logits in zip(_moe_layers(family), ref["router"])
-    }
+    if family in tiny_moe.SIGMOID_ROUTED:  # the router's own choices ([B*S, k] per layer)
+        counts = [
+            torch.bincount(
+                c[valid.reshape(-1)].reshape(-1), minlength=tiny_moe.FAMILIES[family]["num_experts"]
+            )
+            for c in ref["router"]
+        ]
+    else:
+        counts = [tiny_moe.expert_counts(logits, valid, top_k) for logits in ref["router"]]
+    expected = dict(zip(_moe_layers(family), counts, strict=True))
     seen = set()
     rows = [r for r in results["forward"] if r["name"] == family]
     for r in rows:
@@ -222,7 +240,7 @@ def test_expert_load_matches_transformers_routing(results, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", TRAIN_FAMILIES)
 def test_training_step_at_ep2_and_ep4_equals_ep1(results, family):
     per_rank = [r[family] for r in results["train"]]
     for rank, runs in enumerate(per_rank):
