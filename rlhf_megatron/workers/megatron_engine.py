@@ -183,9 +183,12 @@ def _check_moe_training(arch: ModelArch, parallel: ParallelConfig) -> None:
 def packs_prompts(arch: ModelArch, parallel: ParallelConfig) -> bool:
     """Whether shared-prompt packing applies to this model and layout: dense text models (a
     mixture-of-experts router would count each prompt token once instead of ``n`` times in its
-    load-balancing loss; images carry M-RoPE positions) without context parallelism (which
-    splits each row's sequence by position)."""
-    return arch.moe is None and arch.vision is None and parallel.context_parallel_size == 1
+    load-balancing loss; images carry M-RoPE positions; megatron's multi-latent attention takes
+    its rotary positions from the column index, so packed responses would not restart theirs)
+    without context parallelism (which splits each row's sequence by position)."""
+    return (
+        arch.moe is None and arch.vision is None and arch.mla is None and parallel.context_parallel_size == 1
+    )
 
 
 def _use_te(transformer_impl: str, lora: LoraConfig | None) -> bool | None:

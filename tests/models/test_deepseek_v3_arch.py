@@ -111,3 +111,17 @@ def test_spec_shapes_equal_transformers_tensors(tmp_path):
     names = mcore_param_names(arch)
     assert "decoder.layers.1.mlp.router.expert_bias" in names
     assert "decoder.layers.0.self_attention.linear_kv_down_proj.weight" in names
+
+
+def test_mla_never_packs_shared_prompts_even_without_experts():
+    """Megatron's MLA takes rotary positions from the column index: packed responses would not
+    restart theirs, so shared-prompt packing stays off for it (as for MoE, VL and CP)."""
+    import dataclasses
+
+    from rlhf_megatron.models.builder import ParallelConfig
+    from rlhf_megatron.workers.megatron_engine import packs_prompts
+
+    arch = ModelArch.from_hf_config(_config(model_type="deepseek_v3"))
+    dense_mla = dataclasses.replace(arch, moe=None)
+    assert not packs_prompts(arch, ParallelConfig()) and not packs_prompts(dense_mla, ParallelConfig())
+    assert packs_prompts(dataclasses.replace(dense_mla, mla=None), ParallelConfig())
