@@ -21,15 +21,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_megatron.algorithms.losses import agg_loss
-from rlhf_megatron.algorithms.rollout_correction import (
-    METRIC_PREFIX,
-    RolloutCorrectionSettings,
-    compute_rollout_is_weights,
-)
-from rlhf_megatron.algorithms.rollout_rejection import (
-    compute_offpolicy_metrics,
-    compute_rollout_rejection_mask,
-)
+from rlhf_megatron.algorithms.rollout_correction import RolloutCorrectionSettings, compute_rollout_correction
 from rlhf_megatron.algorithms.utils import check_values_and_mask, masked_mean
 
 __all__ = ["compute_bypass_correction", "compute_policy_loss_reinforce", "corrects_at_loss_time"]
@@ -69,29 +61,7 @@ def compute_bypass_correction(
         "response_mask",
         response_mask,
     )
-    current = log_prob.detach()
-    metrics = {
-        f"{METRIC_PREFIX}{name}": value
-        for name, value in compute_offpolicy_metrics(current, rollout_log_probs, response_mask).items()
-    }
-    weights = None
-    if cfg.rollout_is is not None:
-        weights, is_metrics = compute_rollout_is_weights(
-            current,
-            rollout_log_probs,
-            response_mask,
-            rollout_is=cfg.rollout_is,
-            rollout_is_threshold=cfg.rollout_is_threshold,
-            rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
-        )
-        metrics.update(is_metrics)
-    mask = response_mask
-    if cfg.rollout_rs is not None:
-        mask, rs_metrics = compute_rollout_rejection_mask(
-            current, rollout_log_probs, response_mask, cfg.rollout_rs, cfg.rollout_rs_threshold
-        )
-        metrics.update({f"{METRIC_PREFIX}{name}": value for name, value in rs_metrics.items()})
-    return weights, mask, metrics
+    return compute_rollout_correction(log_prob.detach(), rollout_log_probs, response_mask, cfg)
 
 
 def compute_policy_loss_reinforce(

@@ -197,26 +197,47 @@ def apply_rollout_correction(batch: Columns, cfg: RolloutCorrectionSettings) -> 
             f"apply the correction after that pass), but the batch has: {', '.join(sorted(batch.keys()))}. "
             "Set algorithm.rollout_correction.rollout_is=null and rollout_rs=null to train without it"
         )
-    old, rollout, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+    weights, mask, metrics = compute_rollout_correction(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], cfg
+    )
+    if weights is not None:
+        batch["rollout_is_weights"] = weights
+    batch["response_mask"] = mask
+    return metrics
+
+
+def compute_rollout_correction(
+    policy_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: RolloutCorrectionSettings,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """The correction of rollout -> policy: the ``rollout_is`` weights (None when it is null),
+    ``response_mask`` narrowed by ``rollout_rs`` (unchanged without it), and the ``rollout_corr/``
+    metrics with the off-policy diagnostics. The driver's policy is the old one
+    (``apply_rollout_correction``), bypass mode's the current one at loss time
+    (``bypass_correction``). All (B, R); the weights are computed on the mask before rejection."""
     metrics = {
         f"{METRIC_PREFIX}{name}": value
-        for name, value in compute_offpolicy_metrics(old, rollout, mask).items()
+        for name, value in compute_offpolicy_metrics(
+            policy_log_probs, rollout_log_probs, response_mask
+        ).items()
     }
+    weights = None
     if cfg.rollout_is is not None:
         weights, is_metrics = compute_rollout_is_weights(
-            old,
-            rollout,
-            mask,
+            policy_log_probs,
+            rollout_log_probs,
+            response_mask,
             rollout_is=cfg.rollout_is,
             rollout_is_threshold=cfg.rollout_is_threshold,
             rollout_is_batch_normalize=cfg.rollout_is_batch_normalize,
         )
-        batch["rollout_is_weights"] = weights
         metrics.update(is_metrics)
+    mask = response_mask
     if cfg.rollout_rs is not None:
-        new_mask, rs_metrics = compute_rollout_rejection_mask(
-            old, rollout, mask, cfg.rollout_rs, cfg.rollout_rs_threshold
+        mask, rs_metrics = compute_rollout_rejection_mask(
+            policy_log_probs, rollout_log_probs, response_mask, cfg.rollout_rs, cfg.rollout_rs_threshold
         )
-        batch["response_mask"] = new_mask
         metrics.update({f"{METRIC_PREFIX}{name}": value for name, value in rs_metrics.items()})
-    return metrics
+    return weights, mask, metrics
