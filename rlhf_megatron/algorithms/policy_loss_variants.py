@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 
 from rlhf_megatron.algorithms.losses import agg_loss
-from rlhf_megatron.algorithms.policy_losses import _check, _clip_bounds, _weighted, register_policy_loss
+from rlhf_megatron.algorithms.policy_losses import (
+    _check,
+    _clip_bounds,
+    _clip_offsets,
+    _log_ratio,
+    _weighted,
+    register_policy_loss,
+)
 from rlhf_megatron.algorithms.utils import masked_mean
 
 __all__ = [
@@ -34,11 +41,6 @@ __all__ = [
 LossOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
-    """(B, T) ``lp - old`` clamped to [-20, 20], so exp cannot overflow on a stale token."""
-    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-
-
 def _zero(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=like.dtype, device=like.device)
 
@@ -46,13 +48,6 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 def _frac(flags: torch.Tensor, response_mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """() masked share of ``flags`` (bool, (B, T)) in ``like``'s dtype, detached."""
     return masked_mean(flags.to(like.dtype), response_mask).detach()
-
-
-def _offsets(cliprange, cliprange_low, cliprange_high) -> tuple[float, float]:
-    """(low, high) clip offsets; each side defaults to ``cliprange``."""
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    return low, high
 
 
 @register_policy_loss("cispo")
@@ -244,7 +239,7 @@ def compute_policy_loss_geo_mean(
     _check(
         "compute_policy_loss_geo_mean", old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
     )
-    low, high = _offsets(cliprange, cliprange_low, cliprange_high)
+    low, high = _clip_offsets(cliprange, cliprange_low, cliprange_high)
     log_ratio = log_prob - old_log_prob  # (B, T)
     sign = torch.sign(advantages)
     clamped = torch.clamp(log_ratio, -low, high)
@@ -399,7 +394,7 @@ def compute_policy_loss_dppo_tv(
     del kwargs
     where = "compute_policy_loss_dppo_tv"
     _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = _offsets(cliprange, cliprange_low, cliprange_high)  # bounds on p - p_old here
+    low, high = _clip_offsets(cliprange, cliprange_low, cliprange_high)  # bounds on p - p_old here
     log_ratio = _log_ratio(log_prob, old_log_prob)
     with torch.no_grad():
         diff = log_prob.exp() - old_log_prob.exp()  # (B, T)
@@ -443,7 +438,7 @@ def compute_policy_loss_dppo_kl(
     del kwargs
     where = "compute_policy_loss_dppo_kl"
     _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    low, high = _offsets(cliprange, cliprange_low, cliprange_high)  # bounds on the binary KL here
+    low, high = _clip_offsets(cliprange, cliprange_low, cliprange_high)  # bounds on the binary KL here
     log_ratio = _log_ratio(log_prob, old_log_prob)
     with torch.no_grad():
         p, p_old = log_prob.exp(), old_log_prob.exp()  # (B, T)

@@ -81,10 +81,21 @@ def _weighted(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) 
     return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights.detach()
 
 
-def _clip_bounds(cliprange, cliprange_low, cliprange_high) -> tuple[float, float]:
+def _clip_offsets(cliprange, cliprange_low, cliprange_high) -> tuple[float, float]:
+    """(low, high) clip offsets; each side defaults to ``cliprange``."""
     low = cliprange if cliprange_low is None else cliprange_low
     high = cliprange if cliprange_high is None else cliprange_high
+    return low, high
+
+
+def _clip_bounds(cliprange, cliprange_low, cliprange_high) -> tuple[float, float]:
+    low, high = _clip_offsets(cliprange, cliprange_low, cliprange_high)
     return 1.0 - low, 1.0 + high
+
+
+def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """(B, T) ``lp - old`` clamped to [-20, 20], so exp cannot overflow on a stale token."""
+    return torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
 
 
 @register_policy_loss("vanilla")
@@ -134,7 +145,7 @@ def compute_policy_loss(
         )
     _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     # Clamped before exp so a stale or masked token cannot overflow the ratio.
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, T)
+    log_ratio = _log_ratio(log_prob, old_log_prob)  # (B, T)
     ratio = torch.exp(log_ratio)
     lo, hi = _clip_bounds(cliprange, cliprange_low, cliprange_high)
 
@@ -255,7 +266,7 @@ def compute_policy_loss_kl_cov(
     if not kl_cov_ratio > 0:
         raise ValueError(f"{where}: kl_cov_ratio must be > 0, got {kl_cov_ratio}")
     _check(where, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (B, T)
+    log_ratio = _log_ratio(log_prob, old_log_prob)  # (B, T)
     abs_kl = log_ratio.abs()
     pg_losses = -advantages * torch.exp(log_ratio)  # (B, T)
 
