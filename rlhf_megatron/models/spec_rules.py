@@ -427,10 +427,9 @@ def _expert_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
     )
 
 
-def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
-    """Qwen2-MoE's shared expert: a SwiGLU MLP on every token of a sparse layer, split by the
-    attention's TP, its output scaled by ``sigmoid(gate_weight @ x)``."""
-    S, X = L + "mlp.shared_experts.", H + "mlp.shared_expert."
+def _shared_mlp_rules(S: str, X: str) -> tuple[ParamRule, ...]:
+    """A sparse layer's shared-expert SwiGLU MLP (megatron ``S``, HF ``X``): on every token, split
+    by the attention's TP."""
     return (
         ParamRule(
             mcore=(S + "linear_fc1.weight",),
@@ -449,8 +448,15 @@ def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
             when=_shared_expert,
             on_layer=_moe_layer,
         ),
+    )
+
+
+def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
+    """Qwen2-MoE's shared expert: its MLP's output scaled by ``sigmoid(gate_weight @ x)``."""
+    return (
+        *_shared_mlp_rules(L + "mlp.shared_experts.", H + "mlp.shared_expert."),
         _copy(
-            S + "gate_weight",
+            L + "mlp.shared_experts.gate_weight",
             H + "mlp.shared_expert_gate.weight",
             shape=lambda a, tp: (1, a.hidden_size),
             when=_shared_expert,
@@ -460,28 +466,9 @@ def _shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
 
 
 def _deepseek_shared_expert_rules(L: str, H: str) -> tuple[ParamRule, ...]:
-    """DeepSeek-V3's / GLM-4.5's shared experts: one SwiGLU MLP of ``n_shared_experts`` experts'
-    width on every token of a sparse layer, split by the attention's TP, added without a gate."""
-    S, X = L + "mlp.shared_experts.", H + "mlp.shared_experts."
-    return (
-        ParamRule(
-            mcore=(S + "linear_fc1.weight",),
-            hf=(X + "gate_proj.weight", X + "up_proj.weight"),
-            layout=Layout.GATE_UP,
-            tp_dim=0,
-            shape=lambda a, tp: (2 * a.moe.shared_expert_ffn_hidden_size, a.hidden_size),
-            when=_shared_expert,
-            on_layer=_moe_layer,
-        ),
-        _copy(
-            S + "linear_fc2.weight",
-            X + "down_proj.weight",
-            tp_dim=1,
-            shape=lambda a, tp: (a.hidden_size, a.moe.shared_expert_ffn_hidden_size),
-            when=_shared_expert,
-            on_layer=_moe_layer,
-        ),
-    )
+    """DeepSeek-V3's / GLM-4.5's shared experts: one MLP of ``n_shared_experts`` experts' width,
+    added without a gate."""
+    return _shared_mlp_rules(L + "mlp.shared_experts.", H + "mlp.shared_experts.")
 
 
 def _deepseek_moe_layer_rules(L: str, H: str) -> tuple[ParamRule, ...]:
