@@ -93,6 +93,26 @@ def _patch_vllm_cpu_token_ranks() -> None:
     sampler.batched_count_greater_than = batched_count_greater_than
 
 
+def _patch_vllm_cpu_vocab_mask() -> None:
+    """Mask vocabulary-parallel token ids eagerly on CPU.
+
+    At tensor parallel > 1 vLLM maps each rank's token ids into its vocabulary shard with
+    ``get_masked_input_and_mask``, a ``torch.compile``'d function (to fuse six pointwise ops on
+    GPU). On CPU the first embedding call of every engine process compiles it with inductor: 6-7 s
+    of each TP run's start-up on a 2-core machine. The function's own, uncompiled definition is
+    used instead; GPU builds keep vLLM's kernel."""
+    try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as embedding
+    except ImportError:
+        return
+    compiled = embedding.get_masked_input_and_mask
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if eager is None or getattr(compiled, "_rlhf_eager", False):
+        return
+    eager._rlhf_eager = True
+    embedding.get_masked_input_and_mask = eager
+
+
 def _patch_vllm_cpu_shm_names() -> None:
     """Make vLLM-CPU's shared-memory segment names unique per process group.
 
@@ -364,6 +384,7 @@ class VLLMEngine:
         else:
             _patch_vllm_cpu_shm_names()
             _patch_vllm_cpu_token_ranks()
+            _patch_vllm_cpu_vocab_mask()
             dtype_bytes = 4 if dtype == "float32" else 2
             kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(
                 model_path, max_model_len, rollout.max_num_seqs, dtype_bytes

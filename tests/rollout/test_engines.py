@@ -272,3 +272,24 @@ def test_cpu_token_ranks_are_vllms_count_without_its_compile(monkeypatch):
     monkeypatch.setattr(vllm_engine, "RANK_CHUNK_ELEMENTS", 110 * 5)  # 5 rows a chunk: 8 chunks
     assert torch.equal(eager(x, values), vllms(x, values))
     assert torch.equal(eager(x[:1], values[:1]), vllms(x[:1], values[:1]))
+
+
+def test_cpu_vocab_shard_masking_runs_without_its_compile(monkeypatch):
+    """At TP > 1 on CPU each rank maps token ids into its vocabulary shard with vLLM's own
+    definition, uncompiled (its inductor compile costs 6-7 s of every TP engine's start-up)."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as embedding
+
+    from rlhf_megatron.rollout import vllm_engine
+
+    compiled = embedding.get_masked_input_and_mask
+    monkeypatch.setattr(embedding, "get_masked_input_and_mask", compiled)
+    vllm_engine._patch_vllm_cpu_vocab_mask()
+    eager = embedding.get_masked_input_and_mask
+    assert eager is compiled._torchdynamo_orig_callable and eager._rlhf_eager
+    vllm_engine._patch_vllm_cpu_vocab_mask()  # idempotent
+    assert embedding.get_masked_input_and_mask is eager
+    # Rank 1 of 2 over a 110-token vocabulary padded to 112 (shard [56, 112)), no added tokens.
+    ids = torch.tensor([0, 55, 56, 80, 109])
+    masked, outside = eager(ids, 56, 110, 2, 112, 112)
+    assert masked.tolist() == [0, 0, 0, 24, 53]
+    assert outside.tolist() == [True, True, False, False, False]
