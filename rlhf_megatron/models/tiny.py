@@ -210,8 +210,16 @@ def _deepseek_moe_config(
         )
     common.pop("head_dim")
     common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: one key/value per head
+    # The router fields DeepSeek-V3's and Kimi-K2's own config.json carry: transformers hard-codes
+    # them, vLLM reads them (without ``topk_method`` it builds no correction bias).
     return transformers.DeepseekV3Config(
-        **TINY_MLA, rope_scaling=dict(TINY_YARN), routed_scaling_factor=2.5, **moe, **common
+        **TINY_MLA,
+        rope_scaling=dict(TINY_YARN),
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        **moe,
+        **common,
     )
 
 
