@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,7 @@ from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
 from rlhf_megatron.models.norms import swap_module, with_sequence_parallel_norms
+from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
 from rlhf_megatron.models.vision_language import VisionLanguageModel
 from rlhf_megatron.models.vision_language import freeze_vision_tower as freeze_vision
@@ -59,45 +59,6 @@ __all__ = [
 CAUSAL_ROWS_FROM = 8192
 """Micro-batch size (tokens: rows x columns) from which sdpa attention on CUDA takes contiguous rows
 without a mask (``models.causal_rows``; measured on an H200)."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Model-parallel sizes a model is built for (data parallelism is whatever remains)."""
-
-    tensor_model_parallel_size: int = 1
-    """Ranks that split each layer's weights (attention heads, MLP columns, vocabulary)."""
-    pipeline_model_parallel_size: int = 1
-    """Ranks that split the layers into consecutive stages."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline rank (interleaved schedule); None = one chunk."""
-    context_parallel_size: int = 1
-    """Ranks that split the sequence for attention (needs transformer-engine, GPU only)."""
-    sequence_parallel: bool = False
-    """Split activations outside attention/MLP along the sequence over TP ranks (on CPU with
-    ``norms.SequenceParallelTorchNorm``)."""
-    expert_model_parallel_size: int = 1
-    """Ranks that split a mixture-of-experts layer's experts (EP); 1 for dense models."""
-    expert_tensor_parallel_size: int | None = None
-    """Ranks that split each expert's matrices (ETP); None means the TP size (megatron's default)."""
-
-    def __post_init__(self):
-        if self.expert_tensor_parallel_size is None:  # resolved, so equal layouts compare equal
-            object.__setattr__(self, "expert_tensor_parallel_size", self.tensor_model_parallel_size)
-
-    @classmethod
-    def current(cls, sequence_parallel: bool = False) -> ParallelConfig:
-        """The sizes of megatron's initialised parallel state."""
-        ps = parallel_state
-        return cls(
-            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-            virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
-            context_parallel_size=ps.get_context_parallel_world_size(),
-            sequence_parallel=sequence_parallel,
-            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        )
 
 
 def use_transformer_engine() -> bool:

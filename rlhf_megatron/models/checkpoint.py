@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.loader import unwrap_model
 from rlhf_megatron.models.mtp import save_mtp_tensors
+from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.planning.model_arch import ModelArch
 
 __all__ = [

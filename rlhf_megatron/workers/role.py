@@ -41,9 +41,9 @@ from rlhf_megatron.config.schema import (
     RewardModelConfig,
 )
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.models.builder import ParallelConfig
 from rlhf_megatron.models.lora_io import ADAPTER_DIR, read_peft_adapter, write_peft_adapter
 from rlhf_megatron.models.moe import ExpertLoadRecorder
+from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.planning.model_arch import HeadKind, ModelArch
 from rlhf_megatron.platform import ParallelGroups, init_model_parallel
 from rlhf_megatron.platform.faults import fault_point
