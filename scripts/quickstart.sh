@@ -8,6 +8,7 @@
 #   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic
 #   CONFIG=configs/quickstart_vl_cpu.yaml bash scripts/quickstart.sh    # images: a tiny Qwen2.5-VL
 #   CONFIG=configs/quickstart_moe_cpu.yaml bash scripts/quickstart.sh   # a tiny Qwen3-MoE at EP=2
+#   CONFIG=configs/quickstart_mla_cpu.yaml bash scripts/quickstart.sh   # a tiny DeepSeek-V3 (MLA) at EP=2
 #   CONFIG=configs/quickstart_tool_cpu.yaml bash scripts/quickstart.sh  # multi-turn: learns to call a tool
 #   CONFIG=configs/quickstart_lora_cpu.yaml bash scripts/quickstart.sh  # LoRA adapters on a frozen base
 #   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
@@ -21,6 +22,7 @@ PY=.venv/bin/python
 case "$CONFIG" in
   *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
   *_moe_*) $PY tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model --data-dir outputs/data/arith ;;
+  *_mla_*) $PY tools/make_tiny_model.py --arch deepseek_v3 --out outputs/tiny_mla_model --data-dir outputs/data/arith ;;
   *_tool_*) $PY tools/make_tiny_tool_model.py --out outputs/tiny_tool_model --data-dir outputs/data/tool_mult ;;
   *) $PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith ;;
 esac

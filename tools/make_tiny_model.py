@@ -3,6 +3,7 @@ briefly pre-trained (supervised) on the arithmetic task so that it starts weak b
 
     .venv/bin/python tools/make_tiny_model.py [--out outputs/tiny_model] [--data-dir outputs/data/arith]
     .venv/bin/python tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model   # MoE quickstart
+    .venv/bin/python tools/make_tiny_model.py --arch deepseek_v3 --out outputs/tiny_mla_model  # MLA quickstart
 
 It writes the RL prompts first (``train.parquet`` and ``test.parquet`` in ``--data-dir``, through
 ``tools/data/arith.py``), then pre-trains a random model with the project's SFT trainer
@@ -45,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_megatron.data.synthetic import make_arith_rows, make_arith_split
-from rlhf_megatron.models.tiny import build_tiny_hf_model, build_tiny_moe_model
+from rlhf_megatron.models.tiny import VLLM_CPU_MLA, build_tiny_hf_model, build_tiny_moe_model
 from rlhf_megatron.rewards.arith import compute_score
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,11 +80,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-operand", type=int, default=30, help="operands are drawn from 0..max-operand")
     p.add_argument(
         "--arch",
-        choices=("llama", "qwen3_moe"),
+        choices=("llama", "qwen3_moe", "deepseek_v3"),
         default="llama",
-        help="qwen3_moe: the mixture-of-experts quickstart's policy (--experts experts, top-2)",
+        help="qwen3_moe: the mixture-of-experts quickstart's policy (--experts experts, top-2); "
+        "deepseek_v3: the MLA quickstart's (the same experts plus a shared one, sigmoid routing with "
+        "a correction bias, multi-latent attention at the sizes vLLM's CPU backend takes)",
     )
-    p.add_argument("--experts", type=int, default=4, help="qwen3_moe: experts per sparse layer")
+    p.add_argument("--experts", type=int, default=4, help="qwen3_moe, deepseek_v3: experts per sparse layer")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--ffn-hidden-size", type=int, default=512)
     add_pretraining_flags(
@@ -205,13 +208,17 @@ def build(args: argparse.Namespace, out_dir: Path) -> dict:
     """Train the policy, save it to ``out_dir`` and return the result record."""
     start = time.perf_counter()
     shape = dict(num_layers=args.num_layers, **tiny_build.POLICY_SHAPE, seed=args.seed)
-    if args.arch == "qwen3_moe":
+    if args.arch in ("qwen3_moe", "deepseek_v3"):
         # Every layer sparse: experts of half the dense width, two per token (the same active size).
+        # DeepSeek-V3 adds a shared expert of that width and its latent attention (vLLM on CPU runs
+        # MLA only with DeepSeek's latent sizes, VLLM_CPU_MLA).
+        mla = dict(mla=VLLM_CPU_MLA) if args.arch == "deepseek_v3" else {}
         model, tokenizer = build_tiny_moe_model(
-            family="qwen3_moe",
+            family=args.arch,
             num_experts=args.experts,
             top_k=2,
             expert_ffn_hidden_size=args.ffn_hidden_size // 2,
+            **mla,
             **shape,
         )
     else:

@@ -12,6 +12,7 @@ a layout to the model architecture or the cluster are in ``validate_layout.py``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -300,6 +301,20 @@ class MegatronConfig:
     """Expert tensor parallel size (ETP): splits each expert's matrices over this many GPUs;
     null means the TP size (megatron's default). Must divide ``moe_intermediate_size``."""
 
+    moe_router_bias_update: bool | None = None
+    """DeepSeek-V3's auxiliary-loss-free load balancing (megatron-core's
+    ``moe_router_enable_expert_bias`` with a positive ``moe_router_bias_update_rate``): after each
+    optimizer step every sparse layer's expert bias (HF ``e_score_correction_bias``: it chooses the
+    experts, never weights them) moves by ``moe_router_bias_update_rate``, up for the experts that
+    received fewer tokens than the mean in that step and down for those that received more. null:
+    on for the families whose checkpoints carry the bias (``deepseek_v3``/``kimi_k2``,
+    ``glm4_moe``), off for the others; true on a model without the bias is refused; false keeps the
+    checkpoint's bias fixed. A role that does not train (the reference) never moves it."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update per optimizer step (megatron-core's default and DeepSeek-V3's
+    0.001); must be > 0. Read only where ``moe_router_bias_update`` is on."""
+
     sequence_parallel: bool = True
     """Shard norm/dropout activations along the sequence over the TP group (switched off
     when TP is 1, as verl does)."""
@@ -368,6 +383,12 @@ class MegatronConfig:
         if ep < 1 or (etp is not None and etp < 1):
             out.append(
                 f"{key}.expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} must be >= 1"
+            )
+        rate = self.moe_router_bias_update_rate
+        if not (isinstance(rate, int | float) and math.isfinite(rate) and rate > 0):
+            out.append(
+                f"{key}.moe_router_bias_update_rate={rate} must be a number > 0 (megatron-core's default "
+                f"is 0.001); to keep the expert bias fixed set {key}.moe_router_bias_update=false"
             )
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers):
             out.append(

@@ -37,7 +37,12 @@ from rlhf_megatron.models.attention import LatentDotProductAttention, SDPAttenti
 from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
 from rlhf_megatron.models.gpt import GPTModelWithPositions
 from rlhf_megatron.models.heads import attach_scalar_head
-from rlhf_megatron.models.moe import enable_moe_without_te, moe_block_spec, moe_config_kwargs
+from rlhf_megatron.models.moe import (
+    enable_moe_without_te,
+    fix_expert_bias_padding_mask,
+    moe_block_spec,
+    moe_config_kwargs,
+)
 from rlhf_megatron.models.norms import swap_module, with_sequence_parallel_norms
 from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.models.vision import VisionTransformer, vision_transformer_config
@@ -373,6 +378,8 @@ def build_gpt_model(
     spec = _layer_spec(arch, use_te)
     if arch.moe is not None and not use_te:
         enable_moe_without_te()
+    if arch.moe is not None and arch.moe.expert_bias:
+        fix_expert_bias_padding_mask()
     if arch.mla is not None and not use_te:
         _enable_mla_without_te()
     vpp = parallel.virtual_pipeline_model_parallel_size

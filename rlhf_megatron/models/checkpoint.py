@@ -264,11 +264,14 @@ def save_model_checkpoint(
     *,
     hf_dir: str | Path | None = None,
     source: str | None = None,
+    mtp_store: str | Path | None = None,
 ) -> CheckpointMetadata:
     """Save this rank's chunks into ``ckpt_dir`` (collective over all ranks).
 
     After megatron's save, rank 0 copies the HF side files from ``hf_dir`` and
-    its next-token-prediction layers' tensors (``models/mtp.py``), hashes every file and writes ``rlhf_megatron_ckpt.json`` last.
+    its next-token-prediction layers' tensors (``models/mtp.py``; hard-linked from ``mtp_store``, a
+    directory that a run's first save fills, when given), hashes every file and writes
+    ``rlhf_megatron_ckpt.json`` last.
     """
     from megatron.core import dist_checkpointing
 
@@ -293,7 +296,7 @@ def save_model_checkpoint(
     if torch.distributed.get_rank() == 0:
         if hf_dir is not None:
             copy_hf_side_files(Path(hf_dir), ckpt_dir)
-            save_mtp_tensors(hf_dir, arch, ckpt_dir)  # untrained MTP layers, for the export
+            save_mtp_tensors(hf_dir, arch, ckpt_dir, store=mtp_store)  # untrained MTP layers, for the export
         meta.files = sha256_of_files(ckpt_dir)
         meta.sizes = {rel: (ckpt_dir / rel).stat().st_size for rel in meta.files}
         (ckpt_dir / CKPT_METADATA_FILE).write_text(meta.to_json())

@@ -60,7 +60,7 @@ LOADED_BUFFERS = ("router.expert_bias",)
 """Buffers that come from the checkpoint too: DeepSeekMoE's score-correction bias."""
 
 
-def _loadable_tensors(module: torch.nn.Module):
+def loadable_tensors(module: torch.nn.Module):
     """``(name, tensor)`` of every parameter, then of the buffers in ``LOADED_BUFFERS``."""
     yield from module.named_parameters()
     yield from ((n, b) for n, b in module.named_buffers() if n.endswith(LOADED_BUFFERS))
@@ -124,7 +124,7 @@ def load_hf_weights(
         warn_untrained_mtp(checkpoint, arch)  # layers past num_hidden_layers: kept aside, not loaded
     work = []
     for vp_stage, chunk in enumerate(chunks):
-        for local_name, param in _loadable_tensors(unwrap_model(chunk)):
+        for local_name, param in loadable_tensors(unwrap_model(chunk)):
             global_name = local_to_global_layer(
                 local_name, arch.num_layers, pp_rank, pp_size, vp_stage if vpp_size else None, vpp_size
             )

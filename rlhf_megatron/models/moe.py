@@ -10,6 +10,8 @@ read-outs that training code needs after a forward pass.
   (``moe_router_pre_softmax``); the auxiliary load-balancing loss with HF's
   ``router_aux_loss_coef``; the alltoall token dispatcher; no token dropping (capacity
   factor None). Qwen2-MoE's shared expert with its sigmoid gate.
+- ``expert_bias_update_kwargs``: a trained role's aux-loss-free expert-bias update (DeepSeek-V3,
+  GLM-4.5), from ``megatron.moe_router_bias_update`` and its rate.
 - ``moe_block_spec``: per-layer specs for one model chunk, dense MLP layers among sparse
   ones included (``MoEArch.moe_layers``). Experts are ``SequentialMLP`` with megatron's
   local spec (CPU) and grouped GEMMs with the transformer-engine spec (GPU; same
@@ -31,7 +33,8 @@ per-layer losses, HF multiplies pooled averages). The tests check megatron's val
 against an independent computation from the router logits.
 
 Boundaries: imports megatron-core only; reads ``ModelArch``; touches megatron's module
-globals only to fix its MoE path without transformer-engine (``enable_moe_without_te``).
+globals only to fix its MoE path without transformer-engine (``enable_moe_without_te``) and its
+expert-bias token count under a padding mask (``fix_expert_bias_padding_mask``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ __all__ = [
     "clear_aux_losses",
     "enable_moe_without_te",
     "eval_mode",
+    "expert_bias_update_kwargs",
+    "fix_expert_bias_padding_mask",
     "has_experts",
     "moe_block_spec",
     "moe_config_kwargs",
@@ -86,6 +91,30 @@ def enable_moe_without_te() -> None:
 
     move_to_cpu._rlhf_cpu_numpy = True
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def fix_expert_bias_padding_mask() -> None:
+    """Fix megatron-core 0.16.1's expert-bias token count under a padding mask (idempotent).
+
+    ``TopKRouter._apply_expert_bias`` masks the ``[tokens, experts]`` routing map with the
+    flattened ``[tokens]`` padding mask, which cannot broadcast: every training forward of a
+    router with an expert bias (DeepSeek-V3, GLM-4.5) and a padding mask raises. Mask per token
+    row instead, so padding tokens stay out of the loads that move the bias.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_rlhf_row_mask", False):
+        return
+
+    def apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    apply_expert_bias._rlhf_row_mask = True
+    TopKRouter._apply_expert_bias = apply_expert_bias
 
 
 def moe_config_kwargs(
@@ -134,9 +163,9 @@ def _sigmoid_router_kwargs(moe) -> dict:
     megatron's sigmoid routing picks the top-k of ``sigmoid(logits) + expert_bias`` (within the best
     groups), weights them by the plain sigmoid scores renormalised over the k, then multiplies by
     the scaling factor: HF's ``noaux_tc`` with ``norm_topk_prob``. The bias (``router.expert_bias``,
-    a buffer loaded from ``e_score_correction_bias``) stays fixed: megatron's aux-loss-free update
-    runs with rate 0, i.e. the checkpoint's balance is kept; pass ``moe_router_bias_update_rate`` as a
-    build override to let it move.
+    a buffer loaded from ``e_score_correction_bias``) stays fixed here: megatron's aux-loss-free update
+    runs with rate 0, i.e. the checkpoint's balance is kept; a trained role lets it move with
+    ``expert_bias_update_kwargs`` (``megatron.moe_router_bias_update``).
     """
     return dict(
         moe_router_score_function="sigmoid",
@@ -148,6 +177,23 @@ def _sigmoid_router_kwargs(moe) -> dict:
         moe_router_topk_scaling_factor=moe.routed_scaling_factor,
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coef > 0 else "none",
     )
+
+
+def expert_bias_update_kwargs(arch: ModelArch, update: bool | None, rate: float) -> dict:
+    """The ``TransformerConfig`` override of a trained role's expert-bias update (DeepSeek-V3's
+    aux-loss-free balancing): ``moe_router_bias_update_rate=rate`` where the routers carry an
+    expert bias and ``update`` is not False (``megatron.moe_router_bias_update``; null means on
+    for such models), nothing otherwise (the bias stays at the checkpoint's values). megatron
+    updates the bias in ``finalize_model_grads`` from the tokens each expert received in the step's
+    training passes, summed over the data-parallel ranks."""
+    has_bias = arch.moe is not None and arch.moe.expert_bias
+    if update and not has_bias:
+        raise ValueError(
+            f"{arch.architecture}: moe_router_bias_update=true, but its routers have no expert bias to update"
+        )
+    if not has_bias or update is False:
+        return {}
+    return {"moe_router_bias_update_rate": rate}
 
 
 def moe_block_spec(config, use_te: bool, vp_stage: int | None, pp_rank: int):

@@ -10,25 +10,35 @@ Instead, loading an HF checkpoint says on stderr that they are not trained
 (``warn_untrained_mtp``); saving a model checkpoint copies them, as read, into
 the ``MTP_DIR`` safetensors directory beside the dist-checkpoint (``save_mtp_tensors``), and
 ``mcore-to-hf`` writes them back untouched (``saved_mtp``). Both stream one tensor at a time:
-DeepSeek-V3's MTP layer alone is a full MoE layer (~11B parameters).
+DeepSeek-V3's MTP layer alone is a full MoE layer (~11B parameters). Since they never change, a
+training run writes them once, into a store beside its step directories (``MTP_STORE``), and every
+checkpoint hard-links the store's files (``store``): no bytes written per save, and pruning or
+deleting a checkpoint leaves the others whole (a link is a name of the same file). Where a link is
+refused (another filesystem) the files are copied whole instead of tensor by tensor.
 
 Boundaries: safetensors files and names only; no megatron, no model.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 from rlhf_megatron.models.hf_io import INDEX_FILE, SINGLE_FILE, HFCheckpoint, SafetensorsShardWriter
 from rlhf_megatron.planning.model_arch import ModelArch
 
-__all__ = ["MTP_DIR", "mtp_tensor_names", "save_mtp_tensors", "saved_mtp", "warn_untrained_mtp"]
+__all__ = ["MTP_DIR", "MTP_STORE", "mtp_tensor_names", "save_mtp_tensors", "saved_mtp", "warn_untrained_mtp"]
 
 MTP_DIR = "mtp_layers"
 """In a model checkpoint directory: the HF tensors of the layers past ``num_hidden_layers``
 (safetensors shards and index, as an HF model directory holds them)."""
+
+MTP_STORE = ".mtp_layers"
+"""Beside a run's checkpoint step directories: one ``MTP_DIR``-like directory per trained model,
+written by the run's first save and hard-linked into every checkpoint's ``MTP_DIR``."""
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -58,9 +68,15 @@ def warn_untrained_mtp(checkpoint: HFCheckpoint, arch: ModelArch) -> list[str]:
     return names
 
 
-def save_mtp_tensors(hf_dir: str | Path, arch: ModelArch, out_dir: str | Path) -> Path | None:
+def save_mtp_tensors(
+    hf_dir: str | Path, arch: ModelArch, out_dir: str | Path, store: str | Path | None = None
+) -> Path | None:
     """Copy the MTP tensors of ``hf_dir``, as stored, into ``out_dir / MTP_DIR``; returns that
     directory, or None (nothing written) if there are none.
+
+    ``store``: a directory that outlives this checkpoint (``MTP_STORE``). Unless it already holds
+    exactly these tensors (an earlier save of the run wrote it) they are written there first; then
+    its files are hard-linked into ``out_dir / MTP_DIR`` (copied where a link fails).
 
     A checkpoint saved from a model whose HF directory is itself an export carries them on, as the
     export holds them again. A directory without weights (a config-only ``hf_dir``) has none."""
@@ -71,13 +87,45 @@ def save_mtp_tensors(hf_dir: str | Path, arch: ModelArch, out_dir: str | Path) -
     if not names:
         return None
     path = Path(out_dir) / MTP_DIR
+    if store is None:
+        _write(checkpoint, names, path)
+        return path
+    store = Path(store)
+    if not _holds_exactly(store, names):
+        shutil.rmtree(store, ignore_errors=True)  # a partial or stale store
+        _write(checkpoint, names, store)
+    _link_or_copy_files(store, path)
+    return path
+
+
+def _write(checkpoint: HFCheckpoint, names: list[str], path: Path) -> None:
+    """``names`` read from ``checkpoint`` one tensor at a time into safetensors shards at ``path``."""
     path.mkdir(parents=True, exist_ok=True)
-    plan = [(n, checkpoint.shape(n), checkpoint.dtype(n)) for n in names]
-    writer = SafetensorsShardWriter(path, plan)
+    writer = SafetensorsShardWriter(path, [(n, checkpoint.shape(n), checkpoint.dtype(n)) for n in names])
     for n in names:
         writer.write(n, checkpoint.read(n))
     writer.close()
-    return path
+
+
+def _holds_exactly(mtp_dir: Path, names: list[str]) -> bool:
+    """Whether ``mtp_dir`` is a readable ``MTP_DIR`` of exactly ``names`` (``HFCheckpoint`` checks
+    that every shard its index names is there and has a header)."""
+    try:
+        return sorted(HFCheckpoint(mtp_dir).names()) == names
+    except (OSError, ValueError):  # gone (a deleted checkpoint), or not an HF directory
+        return False
+
+
+def _link_or_copy_files(src: Path, dst: Path) -> None:
+    """Each file of ``src`` into ``dst``: a hard link (same inode, no bytes written), or a copy where
+    the filesystem refuses one (``EXDEV`` across devices, ``EPERM`` where links are unsupported)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in src.iterdir() if p.is_file()):
+        target = dst / f.name
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copyfile(f, target)
 
 
 def saved_mtp(ckpt_dir: str | Path) -> HFCheckpoint | None:

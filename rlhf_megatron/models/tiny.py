@@ -165,6 +165,9 @@ MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 
 TINY_MLA = dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
 """The tiny DeepSeek-V3's multi-latent attention (TP 2 splits its latents and heads)."""
+VLLM_CPU_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64)
+"""What ``build_tiny_moe_model(mla=...)`` changes in ``TINY_MLA`` for a model vLLM runs on CPU: its
+MLA backend (``cpu_mla.py``) takes only a latent of 512 plus a rotary key of 64 (DeepSeek-V3's)."""
 TINY_YARN = dict(
     rope_type="yarn",
     factor=4.0,
@@ -177,11 +180,12 @@ TINY_YARN = dict(
 
 
 def _deepseek_moe_config(
-    family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups
+    family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups, mla
 ):
-    """DeepSeek-V3 (MLA with YaRN, ``groups`` = (n_group, topk_group)) or GLM-4.5 (q/k/v biases,
-    q/k norms, half-rotary heads): sigmoid router with correction bias, one shared expert, the
-    leading ``len(mlp_only_layers)`` layers dense. No next-token-prediction layers."""
+    """DeepSeek-V3 (MLA of ``TINY_MLA`` updated by ``mla``, with YaRN; ``groups`` = (n_group,
+    topk_group)) or GLM-4.5 (q/k/v biases, q/k norms, half-rotary heads): sigmoid router with
+    correction bias, one shared expert, the leading ``len(mlp_only_layers)`` layers dense. No
+    next-token-prediction layers."""
     import transformers
 
     if tuple(mlp_only_layers) != tuple(range(len(mlp_only_layers))):
@@ -213,7 +217,7 @@ def _deepseek_moe_config(
     # The router fields DeepSeek-V3's and Kimi-K2's own config.json carry: transformers hard-codes
     # them, vLLM reads them (without ``topk_method`` it builds no correction bias).
     return transformers.DeepseekV3Config(
-        **TINY_MLA,
+        **{**TINY_MLA, **(mla or {})},
         rope_scaling=dict(TINY_YARN),
         routed_scaling_factor=2.5,
         topk_method="noaux_tc",
@@ -242,6 +246,7 @@ def build_tiny_moe_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     groups: tuple[int, int] = (1, 1),
+    mla: dict | None = None,
 ):
     """A random mixture-of-experts model (float32, seeded) and the tiny tokenizer: ``(model, tokenizer)``.
 
@@ -249,7 +254,8 @@ def build_tiny_moe_model(
     ships), ``qwen2_moe`` (q/k/v biases and a gated shared expert of
     ``shared_expert_ffn_hidden_size``; ``norm_topk_prob`` defaults to False, as Qwen1.5-MoE ships) or
     ``mixtral`` (experts of ``expert_ffn_hidden_size``; always renormalises), ``deepseek_v3`` or
-    ``glm4_moe`` (see ``_deepseek_moe_config``; ``groups``: DeepSeek's (n_group, topk_group)).
+    ``glm4_moe`` (see ``_deepseek_moe_config``; ``groups``: DeepSeek's (n_group, topk_group);
+    ``mla``: DeepSeek-V3's attention sizes over ``TINY_MLA``, e.g. ``VLLM_CPU_MLA`` for vLLM on CPU).
     ``mlp_only_layers`` keeps those layers dense (``ffn_hidden_size``; Qwen families, and the leading
     layers of DeepSeek/GLM). Router weights are drawn wider than the rest so the top-k choice is not
     decided by rounding; DeepSeek/GLM's score-correction bias is random too.
@@ -278,8 +284,10 @@ def build_tiny_moe_model(
         router_aux_loss_coef=router_aux_loss_coef,
     )
     if family in ("deepseek_v3", "glm4_moe"):
+        if mla and family != "deepseek_v3":
+            raise ValueError(f"tiny MoE model: mla={mla} is for deepseek_v3 only, not {family}")
         config = _deepseek_moe_config(
-            family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups
+            family, common, num_experts, expert_ffn_hidden_size, ffn_hidden_size, mlp_only_layers, groups, mla
         )
     elif family == "mixtral":
         config = transformers.MixtralConfig(

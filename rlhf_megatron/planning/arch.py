@@ -21,7 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.planning.model_arch import HeadKind, ModelArch, VisionArch
 
-__all__ = ["ParamCount", "arch_for_role", "count_parameters", "count_vision_parameters", "read_hf_config"]
+__all__ = [
+    "ParamCount",
+    "arch_for_role",
+    "count_attention_parameters",
+    "count_parameters",
+    "count_vision_parameters",
+    "kv_cache_values_per_token",
+    "read_hf_config",
+]
 
 # Role -> the head its model carries.
 _ROLE_HEADS: dict[str, HeadKind] = {"actor": "lm", "ref": "lm", "critic": "value", "reward_model": "reward"}
@@ -121,17 +129,54 @@ def count_vision_parameters(vision: VisionArch) -> int:
     return h * vision.patch_dim + vision.depth * block + merger
 
 
-def count_parameters(arch: ModelArch) -> ParamCount:
-    """Parameters of ``arch`` (RMSNorm, RoPE, GQA, SwiGLU; Q/K/V biases and q/k norms where the
-    family has them; routers, routed and shared experts of sparse layers; the vision tower of a
-    vision-language model). A value or reward head is a hidden -> 1 projection (plus its bias)."""
-    h, d = arch.hidden_size, arch.head_dim
-    q_width, kv_width = arch.num_attention_heads * d, arch.num_kv_heads * d
+def count_attention_parameters(arch: ModelArch) -> int:
+    """One layer's attention, as HF stores it. Grouped-query attention: Q, K, V and output
+    projections (Q/K/V biases, q/k norms where the family has them). Multi-latent attention
+    (DeepSeek-V3, Kimi-K2): the query bottleneck (``q_a_proj``, its norm, ``q_b_proj``; or one
+    ``q_proj``), the shared key/value latent with the rotary key (``kv_a_proj_with_mqa``, its norm,
+    ``kv_b_proj`` to every head's key and value) and the output projection."""
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    mla = arch.mla
+    if mla is not None:
+        q_out = heads * mla.q_head_dim
+        if mla.q_lora_rank is None:
+            query = h * q_out
+        else:
+            query = h * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * q_out
+        latent = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+        key_value = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        return query + latent + key_value + heads * mla.v_head_dim * h
+    d = arch.head_dim
+    q_width, kv_width = heads * d, arch.num_kv_heads * d
     attention = h * q_width + 2 * h * kv_width + q_width * h
     if arch.qkv_bias:
         attention += q_width + 2 * kv_width
     if arch.qk_norm:
         attention += 2 * d
+    return attention
+
+
+def kv_cache_values_per_token(arch: ModelArch, tp: int = 1) -> int:
+    """Values one token leaves in an inference engine's KV cache on one of ``tp`` ranks, over all
+    layers. Grouped-query attention: a key and a value per KV head, the heads split over TP (and
+    replicated when TP exceeds them). Multi-latent attention caches the compressed latent and the
+    shared rotary key instead (``kv_lora_rank + qk_rope_head_dim`` per layer, 576 for DeepSeek-V3
+    where its 128 heads would take 2 x 128 x 192), the same on every TP rank: vLLM's MLA backends
+    keep the whole latent on each rank and expand it per head inside attention."""
+    if arch.mla is not None:
+        return arch.num_layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim)
+    kv_heads = max(1, arch.num_kv_heads // tp)  # KV heads are replicated when TP exceeds them
+    return arch.num_layers * 2 * kv_heads * arch.head_dim
+
+
+def count_parameters(arch: ModelArch) -> ParamCount:
+    """Parameters of ``arch`` (RMSNorm, RoPE, grouped-query or multi-latent attention, SwiGLU;
+    routers, routed and shared experts of sparse layers, the leading dense layers among them;
+    the vision tower of a vision-language model). A value or reward head is a hidden -> 1
+    projection (plus its bias). Next-token-prediction layers (``arch.mtp_layers``) are not
+    counted: the engine does not build them and the published totals leave them out."""
+    h = arch.hidden_size
+    attention = count_attention_parameters(arch)
     norms = 2 * h
     layers, experts, active = [], [], []
     for i in range(arch.num_layers):
@@ -141,10 +186,11 @@ def count_parameters(arch: ModelArch) -> ParamCount:
             active.append(0)
             continue
         moe = arch.moe
+        router = moe.num_experts * h + (moe.num_experts if moe.expert_bias else 0)  # [E, hidden] (+ bias)
         shared = 0
-        if moe.shared_expert_ffn_hidden_size:  # SwiGLU plus its [1, hidden] sigmoid gate
-            shared = 3 * h * moe.shared_expert_ffn_hidden_size + h
-        layers.append(attention + norms + moe.num_experts * h + shared)  # router [E, hidden]
+        if moe.shared_expert_ffn_hidden_size:  # SwiGLU, plus Qwen2-MoE's [1, hidden] sigmoid gate
+            shared = 3 * h * moe.shared_expert_ffn_hidden_size + (h if moe.shared_expert_gate else 0)
+        layers.append(attention + norms + router + shared)
         experts.append(moe.num_experts * 3 * h * moe.ffn_hidden_size)
         active.append(moe.top_k * 3 * h * moe.ffn_hidden_size)
     embedding = arch.vocab_size * h

@@ -70,6 +70,15 @@ copies of every token, x ETP after the expert-TP gather) are added as a transien
 holds every expert, split by its TP (its expert parallelism is off). The first line of the
 plan gives total and active (per token) parameters.
 
+Multi-latent attention (DeepSeek-V3, Kimi-K2): a layer keeps its query and key/value latents
+(before and after their norms, and the shared rotary key: not split by TP, as megatron's
+down-projections are not) and per head the query, the up-projected key and value, the assembled
+key and the output (/ TP), in place of GQA's q, k, v widths. vLLM caches the latent and the rotary
+key per token and layer (``kv_lora_rank + qk_rope_head_dim`` values, the same on every rollout TP
+rank) instead of a key and a value per KV head. Parameters count the latent projections and norms
+(``arch.count_attention_parameters``); sparse layers count their shared experts and expert bias,
+and the leading dense layers (``first_k_dense_replace``) their full MLP.
+
 Vision-language models: the vision tower's parameters count on the first pipeline stage
 (with the embedding) and in vLLM's weights. Images enter the language model as placeholder
 tokens, one per merged patch (``t·h·w / m²`` per image, e.g. 1,024 for an 896 x 896 image
@@ -99,7 +108,7 @@ from rlhf_megatron.config.roles import (
     data_parallel_size,
     megatron_section,
 )
-from rlhf_megatron.planning.arch import arch_for_role, count_parameters
+from rlhf_megatron.planning.arch import arch_for_role, count_parameters, kv_cache_values_per_token
 from rlhf_megatron.planning.memory_lora import AdapterPlan, adapter_plan
 from rlhf_megatron.planning.model_arch import ModelArch
 
@@ -287,6 +296,32 @@ def _mlp_width(arch: ModelArch, m: DictConfig) -> float:
     return frac * sparse + (1 - frac) * dense
 
 
+def _attention_width(arch: ModelArch, tp: int) -> float:
+    """Activation values per token one layer's attention keeps on a TP rank. Grouped-query: q, k,
+    v and the attention output, split by TP. Multi-latent (megatron's MLA, whose down-projections
+    are not split by TP): the query and key/value latents before and after their norms and the
+    rotary key, then per head the query, the up-projected key and value, the assembled key
+    ``[nope | rope]`` and the attention output."""
+    mla = arch.mla
+    if mla is None:
+        q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        return (2 * q + 2 * kv) / tp
+    latents = 2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim
+    per_head = 2 * mla.q_head_dim + (mla.qk_nope_head_dim + mla.v_head_dim) + mla.v_head_dim
+    return latents + arch.num_attention_heads * per_head / tp
+
+
+def _qkv_width(arch: ModelArch, tp: int) -> float:
+    """Values per token of one layer's query/key/value projections on a TP rank (vLLM's profiling
+    pass): q + k + v, or for multi-latent attention the latents and the per-head q, k and v."""
+    mla = arch.mla
+    if mla is None:
+        return (arch.num_attention_heads + 2 * arch.num_kv_heads) * arch.head_dim / tp
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+    per_head = mla.q_head_dim + mla.qk_nope_head_dim + mla.v_head_dim
+    return latents + arch.num_attention_heads * per_head / tp
+
+
 def _dispatch_bytes(arch: ModelArch, m: DictConfig, tokens: float) -> float:
     """One sparse layer's all-to-all buffers: send and receive of k copies of every token (the
     receive gathered over ETP). Transient: one layer at a time."""
@@ -359,7 +394,7 @@ def _activation_per_layer(
     q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     local_tokens = tokens / cp
     replicated = 4 * h / (tp if sp else 1)  # norm inputs + norm outputs feeding QKV and fc1
-    split = (2 * q + 2 * kv) / tp + _mlp_width(arch, m)  # q,k,v, attn out, MLP (fc1 gate+up, fc2 input)
+    split = _attention_width(arch, tp) + _mlp_width(arch, m)  # attention, MLP (fc1 gate+up, fc2 input)
     if impl in ("local", "sdpa"):
         # megatron's local SwiGLU is unfused: beside the product it keeps silu(gate) and
         # up + glu_linear_offset (a new tensor even at offset 0) (measured on an H100 and an H200)
@@ -600,19 +635,17 @@ def _rollout_memory(
     tp, e = r.tensor_model_parallel_size, DTYPE_BYTES[r.dtype]
     weights = count_parameters(arch).total * e / tp
     lora = adapters.params(tp=tp) * e if adapters is not None else 0.0
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
+    h, f = arch.hidden_size, arch.ffn_hidden_size
     if arch.moe is not None:  # every token through k experts (and the shared one); dense layers if any
         routed = arch.moe.top_k * arch.moe.ffn_hidden_size + (arch.moe.shared_expert_ffn_hidden_size or 0)
         f = max(routed, f if len(arch.moe.moe_layers) < arch.num_layers else 0)
-    q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
     # vLLM's profiling forward over max_num_batched_tokens: widest live tensors of one layer,
     # plus fp32 logits of the last token of each scheduled sequence (gathered over TP).
-    profile = r.max_num_batched_tokens * e * (2 * h + (q + 2 * kv) / tp + 2 * f / tp)
+    profile = r.max_num_batched_tokens * e * (2 * h + _qkv_width(arch, tp) + 2 * f / tp)
     profile += min(r.max_num_seqs, r.max_num_batched_tokens) * arch.vocab_size * 4
     overhead = profile + VLLM_NON_TORCH_GIB * GIB + (0 if r.enforce_eager else VLLM_CUDA_GRAPH_GIB * GIB)
     budget = r.gpu_memory_utilization * gpu
-    kv_heads_per_gpu = max(1, arch.num_kv_heads // tp)  # KV heads are replicated when TP exceeds them
-    kv_per_token = 2 * arch.num_layers * kv_heads_per_gpu * d * e
+    kv_per_token = kv_cache_values_per_token(arch, tp) * e
     kv_cache = budget - weights - lora - overhead
     sequence_tokens = r.prompt_length + r.response_length
     sequences = max(0, int(kv_cache // (kv_per_token * sequence_tokens)))

@@ -39,6 +39,7 @@ from rlhf_megatron.planning.arch import arch_for_role
 from rlhf_megatron.planning.model_arch import UnsupportedModelError
 from rlhf_megatron.planning.validate_layout import (
     check_context_parallel_backend,
+    check_expert_bias_update,
     check_expert_parallel,
     check_layers_divisible_by_pp,
     check_model_arch_matches_checkpoint,
@@ -63,6 +64,7 @@ ALWAYS_RULES: tuple[Rule, ...] = (
     check_multi_turn,
     check_group_estimator_n,
     check_model_arch_matches_checkpoint,
+    check_expert_bias_update,
 )
 # Rules whose arithmetic divides by or compares sizes; they run only when every count is valid
 # (no section reported a ``SizeProblem``), so one mistake is not reported three times.

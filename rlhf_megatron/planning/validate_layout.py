@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rlhf_megatron.config.validation_context import ValidationContext
 
 __all__ = [
+    "check_expert_bias_update",
     "check_expert_parallel",
     "check_layers_divisible_by_pp",
     "check_model_arch_matches_checkpoint",
@@ -425,4 +426,22 @@ def check_router_replay(ctx: ValidationContext) -> list[str]:
             f"{key}.mode=R3 replays the experts vLLM chose, which vLLM captures only on GPU (its V2 model "
             "runner needs Triton); use mode=R2 with trainer.device=cpu"
         )
+    return out
+
+
+def check_expert_bias_update(ctx: ValidationContext) -> list[str]:
+    """``megatron.moe_router_bias_update=true`` needs a router with an expert bias to update
+    (DeepSeek-V3, Kimi-K2, GLM-4.5: HF ``e_score_correction_bias``)."""
+    out = []
+    for role, key, section in ctx.trained_roles():
+        if section.megatron.moe_router_bias_update is not True:
+            continue
+        arch, source = ctx.archs.get(role, (None, ""))
+        if arch is not None and (arch.moe is None or not arch.moe.expert_bias):
+            what = "has no experts" if arch.moe is None else "routes without an expert bias"
+            out.append(
+                f"{key}.megatron.moe_router_bias_update=true updates the routers' expert bias, but the "
+                f"{arch.architecture} of {source} {what} (only deepseek_v3/kimi_k2 and glm4_moe "
+                "checkpoints carry one); set it to null or false"
+            )
     return out

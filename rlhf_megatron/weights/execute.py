@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from rlhf_megatron.models.loader import loadable_tensors, unwrap_model
 from rlhf_megatron.models.spec import gather_tp_shards, mcore_to_hf, tp_shard_slices
 from rlhf_megatron.weights.plan import (
     VLLM_VOCAB_PADDING,
@@ -48,12 +49,6 @@ from rlhf_megatron.weights.plan import (
     vllm_param_name,
 )
 from rlhf_megatron.weights.transport import Transport
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 class WeightSyncer:
@@ -76,7 +71,8 @@ class WeightSyncer:
         self.transport = transport
         # With vLLM's external launcher, rollout TP groups are consecutive global ranks.
         self.rollout_rank = rollout_rank
-        self.params = [dict(_unwrap(c).named_parameters()) for c in model_chunks]
+        # Parameters plus the buffers a checkpoint carries (DeepSeekMoE's score-correction bias).
+        self.params = [dict(loadable_tensors(unwrap_model(c))) for c in model_chunks]
         self.dtype = next(iter(self.params[0].values())).dtype
         self.stats: dict[str, float] = {}
 
@@ -223,7 +219,9 @@ class WeightSyncer:
                         f"weight sync: {t.name} on pipeline stage {stage} has shape {list(src.shape)}, "
                         f"the plan expects {list(t.source_shape)}"
                     )
-            flat = torch.cat([x.reshape(-1) for x in sources])
+            # One dtype on every stage: a float32 buffer (the router's expert_bias) beside bf16
+            # weights travels in the weights' dtype, as the receivers' empty buffer expects.
+            flat = torch.cat([x.reshape(-1).to(self.dtype) for x in sources])
         else:
             flat = torch.empty(sum(s.numel() for s in shapes), dtype=self.dtype)
         flat = self.transport.broadcast_pp(flat, stage)

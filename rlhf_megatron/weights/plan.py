@@ -41,7 +41,8 @@ Load formats:
   The vocabulary does not line up (Megatron pads to a multiple of
   ``128 × tp``, vLLM to 64), so embeddings are gathered; so is everything when
   the TP sizes differ. KV heads are replicated when rollout TP exceeds them,
-  as vLLM does. Not available for vision-language models (refused when planned).
+  as vLLM does. Not available for vision-language models or multi-latent attention (DeepSeek-V3:
+  vLLM fuses its down-projections and absorbs kv_b_proj after loading); both are refused when planned.
   Routed experts go into vLLM's fused per-layer parameters, one expert row at a
   time: ``…experts.routed_experts.w13_weight[e]`` is expert ``e``'s
   ``[gate_r; up_r]`` (``[2F/tp, H]`` of the ``[E, 2F/tp, H]`` parameter) and
@@ -199,11 +200,14 @@ def _owner(name: str, arch: ModelArch, layout: TrainLayout) -> tuple[int, int | 
 
 # -- vLLM's per-rank layout (sharded format) ------------------------------------------------------
 
+# Megatron parameter -> (its first HF tensor's leaf, vLLM's fused leaf in the same module). The
+# module path comes from the HF name: Qwen2-MoE's ``mlp.shared_expert`` and DeepSeek-V3's /
+# GLM-4.5's ``mlp.shared_experts`` both keep theirs in vLLM.
 _VLLM_FUSED = {
-    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
-    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
-    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
-    "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert.gate_up_proj.weight",
+    "self_attention.linear_qkv.weight": ("q_proj.weight", "qkv_proj.weight"),
+    "self_attention.linear_qkv.bias": ("q_proj.bias", "qkv_proj.bias"),
+    "mlp.linear_fc1.weight": ("gate_proj.weight", "gate_up_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_proj.weight", "gate_up_proj.weight"),
 }
 # Megatron parameters whose TP shard equals vLLM's shard rank for rank when the TP sizes match.
 _ALIGNED_SUFFIXES = (
@@ -253,10 +257,13 @@ def vllm_param_name(mcore_name: str, hf_name: str) -> str:
     if m:  # model.layers.L.<block>.experts.E.<proj>.weight
         block = hf_name[: m.start()]
         return f"{block}.{VLLM_EXPERTS}.{'w13_weight' if 'linear_fc1' in mcore_name else 'w2_weight'}"
-    for suffix, fused in _VLLM_FUSED.items():
+    for suffix, (hf_leaf, fused) in _VLLM_FUSED.items():
         if mcore_name.endswith(suffix):
-            layer = mcore_name.split(".")[2]
-            return f"model.layers.{layer}.{fused}"
+            if not hf_name.endswith(hf_leaf):
+                raise ValueError(
+                    f"weight sync: {mcore_name} exports {hf_name}, expected a name ending in {hf_leaf}"
+                )
+            return hf_name.removesuffix(hf_leaf) + fused
     return hf_name
 
 
@@ -330,6 +337,12 @@ def build_sync_plan(
         raise ValueError(
             f"actor_rollout_ref.rollout.load_format=sharded is not supported for {arch.architecture} "
             "(vLLM's per-rank layout of the vision tower is not planned); use load_format=hf"
+        )
+    if load_format == "sharded" and arch.mla is not None:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.load_format=sharded is not supported for {arch.architecture}: vLLM "
+            "fuses multi-latent attention's q_a_proj and kv_a_proj_with_mqa and derives its absorbed "
+            "kv_b_proj matrices after loading, which the sharded plan does not model; use load_format=hf"
         )
     if load_format == "sharded" and arch.num_attention_heads % rollout_tp:
         raise ValueError(

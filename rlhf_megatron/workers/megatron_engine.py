@@ -41,7 +41,7 @@ from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.data.multimodal import concat_vision_inputs
 from rlhf_megatron.data.packing import pack_shared_prompts, packed_outputs
 from rlhf_megatron.models.forward import model_forward
-from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode
+from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode, expert_bias_update_kwargs
 from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.models.routing_replay import RoutingReplay
 from rlhf_megatron.planning.model_arch import ModelArch
@@ -283,6 +283,10 @@ class MegatronEngine:
             overrides["variable_seq_lengths"] = True
         if routing_replay:
             overrides["moe_enable_routing_replay"] = True
+        if optim is not None and lora is None:  # a frozen model (or LoRA base) keeps its expert bias
+            overrides |= expert_bias_update_kwargs(
+                arch, megatron.moe_router_bias_update, megatron.moe_router_bias_update_rate
+            )
         from rlhf_megatron.models.builder import build_gpt_model  # megatron-core: workers only
 
         self.chunks = build_gpt_model(

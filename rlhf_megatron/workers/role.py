@@ -282,6 +282,7 @@ class MegatronRoleWorker(Worker):
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         from rlhf_megatron.models.checkpoint import save_model_checkpoint
+        from rlhf_megatron.models.mtp import MTP_STORE
 
         for name, engine in self.engines.items():
             if engine.optimizer is None:
@@ -306,6 +307,8 @@ class MegatronRoleWorker(Worker):
                     engine.parallel,
                     hf_dir=self.path,
                     source=f"{self.role}:{name}",
+                    # beside the step directories: written by the run's first save, linked by all
+                    mtp_store=root.parent / MTP_STORE / f"{self.role}.{name}",
                 )
             state = {
                 "engine": engine.state_for_checkpoint(),

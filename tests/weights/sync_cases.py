@@ -208,22 +208,25 @@ def _vllm_snapshot(engine, captured) -> dict[str, torch.Tensor]:
 
 def _perturb(arch, chunks, info) -> None:
     """Move every Megatron weight by noise seeded by its global name: a replicated parameter moves
-    alike on every rank holding it (TP shards of one parameter get the same draw, which is fine)."""
+    alike on every rank holding it (TP shards of one parameter get the same draw, which is fine).
+    DeepSeekMoE's score-correction bias (a buffer) moves by enough to change which experts some
+    tokens pick, so a sync that left vLLM's bias stale would route them differently."""
     import zlib
 
+    from rlhf_megatron.models.loader import loadable_tensors
     from rlhf_megatron.models.spec import local_to_global_expert, local_to_global_layer
 
     with torch.no_grad():
         for chunk in chunks:
-            for local, p in chunk.named_parameters():
+            for local, p in loadable_tensors(chunk):
                 name = local_to_global_layer(local, arch.num_layers, info.pp_rank, info.pp_size, None, None)
                 name = local_to_global_expert(name, arch.moe.num_experts, info.ep_rank, info.ep_size)
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
+                p.add_((0.3 if name.endswith("expert_bias") else 0.02) * torch.randn(p.shape, generator=g))
 
 
-def moe_conformance(rank, world_size, hf_dir, tp, pp, ep, rollout_tp, prompts):
-    """A mixture-of-experts actor at EP > 1 against vLLM on this rank:
+def moe_conformance(rank, world_size, hf_dir, tp, pp, ep, rollout_tp, prompts, etp=None, sharded=True):
+    """A mixture-of-experts actor at EP > 1 (expert TP ``etp``) against vLLM on this rank:
 
     - ``sharded`` format: every expert's ``w13_weight[e]`` / ``w2_weight[e]`` row (and every other
       tensor vLLM keeps) equals what vLLM's own loader made from the checkpoint on this rank;
@@ -231,8 +234,10 @@ def moe_conformance(rank, world_size, hf_dir, tp, pp, ep, rollout_tp, prompts):
       exactly the tensors it made from the checkpoint;
     - after perturbing the Megatron weights and syncing (``hf``, then ``sharded`` in place),
       vLLM's log-probs of its sampled tokens equal the Megatron model's.
+
+    ``sharded=False`` checks the ``hf`` format only (multi-latent attention has no sharded plan).
     """
-    arch, chunks, info, groups = build_actor(hf_dir, tp, pp, ep)
+    arch, chunks, info, groups = build_actor(hf_dir, tp, pp, ep, etp)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from rlhf_megatron.config.schema import RolloutConfig
     from rlhf_megatron.models.forward import forward_logits_or_values, vocab_parallel_log_probs
@@ -248,7 +253,10 @@ def moe_conformance(rank, world_size, hf_dir, tp, pp, ep, rollout_tp, prompts):
     )
     from_checkpoint = _vllm_snapshot(engine, captured)
     sharded_mismatch, rows = [], 0
-    for name, t in make_syncer(arch, chunks, info, groups, rollout_tp, "sharded").iter_weights():
+    sharded_stream = (
+        make_syncer(arch, chunks, info, groups, rollout_tp, "sharded").iter_weights() if sharded else ()
+    )
+    for name, t in sharded_stream:
         param, _, index = name.rstrip("]").partition("[")
         if param not in from_checkpoint:
             continue  # e.g. lm_head tied / not kept by vLLM
@@ -291,10 +299,12 @@ def moe_conformance(rank, world_size, hf_dir, tp, pp, ep, rollout_tp, prompts):
     _perturb(arch, chunks, info)
     engine.update_weights(make_syncer(arch, chunks, info, groups, rollout_tp, "hf").iter_weights())
     hf_err, sampled = logprob_err()
-    _perturb(arch, chunks, info)
-    engine.load_format = "sharded"
-    engine.update_weights(make_syncer(arch, chunks, info, groups, rollout_tp, "sharded").iter_weights())
-    sharded_err, _ = logprob_err()
+    sharded_err = None
+    if sharded:
+        _perturb(arch, chunks, info)
+        engine.load_format = "sharded"
+        engine.update_weights(make_syncer(arch, chunks, info, groups, rollout_tp, "sharded").iter_weights())
+        sharded_err, _ = logprob_err()
     engine.shutdown()  # last: it tears down the process groups the Megatron model uses
     return {
         "expert_rows": rows,

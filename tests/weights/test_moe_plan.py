@@ -136,3 +136,31 @@ def test_copy_sharded_weights_fills_expert_rows_and_names_misfits():
         copy_sharded_weights(model, [("experts.w13_weight[2]", torch.ones(2, 2))])
     with pytest.raises(KeyError, match="no parameter 'experts.w2_weight'"):
         copy_sharded_weights(model, [("experts.w2_weight[0]", row)])
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_deepseekmoe_families_plan_every_hf_tensor_once_and_vllms_fused_names(family):
+    """GLM-4.5 and DeepSeek-V3 from the MoE quickstart's actor layout (TP2 x EP2, experts whole):
+    the hf plan carries every checkpoint tensor once (the router's score-correction bias, a megatron
+    buffer, included); GLM's sharded plan uses vLLM's names for its shared experts
+    (``mlp.shared_experts``, not Qwen2-MoE's ``mlp.shared_expert``), MLA's is refused."""
+    from rlhf_megatron.models.tiny import build_tiny_moe_model
+
+    model, _ = build_tiny_moe_model(family, hidden_size=256, num_heads=4, mlp_only_layers=(0,), groups=(2, 1))
+    arch = ModelArch.from_hf_config(model.config.to_dict())
+    layout = TrainLayout(2, 1, ep_size=2, etp_size=1)
+    shapes = expected_hf_shapes(arch)
+    plan = build_sync_plan(arch, layout, 1, "hf")
+    targets = [t.name for tr in plan.transfers for t in tr.targets]
+    assert sorted(targets) == sorted(shapes) and len(targets) == len(set(targets))
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in targets
+    if family == "deepseek_v3":
+        with pytest.raises(ValueError, match="load_format=sharded is not supported for DeepseekV3"):
+            build_sync_plan(arch, layout, 1, "sharded")
+        return
+    sharded = {
+        t.name: t.shape for tr in build_sync_plan(arch, layout, 2, "sharded").transfers for t in tr.targets
+    }
+    assert sharded["model.layers.1.mlp.shared_experts.gate_up_proj.weight"] == (2 * 64 // 2, 256)
+    assert sharded["model.layers.1.self_attn.qkv_proj.bias"] == ((4 + 2 + 2) * 64 // 2,)
+    assert sharded["model.layers.1.mlp.gate.e_score_correction_bias"] == (4,)

@@ -10,6 +10,10 @@
   loader, then in place with ``load_format=sharded``; the engine repacks the experts, which
   vLLM 0.32 on CPU leaves unpacked after a reload) vLLM's log-probs of its samples equal the
   Megatron model's.
+- The same against vLLM for GLM-4.5 and DeepSeek-V3 from the MoE quickstart's actor layout (TP2 x
+  EP2, experts whole): q/k/v biases and q/k norms, multi-latent attention (``hf`` format only: its
+  sharded plan is refused), shared experts and the router's score-correction bias (a buffer,
+  perturbed enough to move routing) all reach vLLM.
 """
 
 from pathlib import Path
@@ -93,3 +97,30 @@ def test_qwen3_moe_at_ep2_matches_vllms_loader_and_log_probs(tmp_path, rollout_t
             rank,
             r,
         )
+
+
+@pytest.mark.parametrize(("family", "rollout_tp"), [("glm4_moe", 2), ("deepseek_v3", 1)])
+def test_deepseek_moe_families_at_tp2_ep2_match_vllms_loader_and_log_probs(tmp_path, family, rollout_tp):
+    from rlhf_megatron.models.tiny import VLLM_CPU_MLA, make_tiny_moe_model
+
+    mla = family == "deepseek_v3"
+    hf_dir = str(
+        make_tiny_moe_model(
+            tmp_path / family,
+            family,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_only_layers=(0,),
+            groups=(2, 1),
+            mla=VLLM_CPU_MLA if mla else None,
+        )
+    )
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    args = (hf_dir, 2, 1, 2, rollout_tp, prompts, 1, not mla)  # TP2 x EP2, ETP1
+    results = run_on_ranks(_moe_conformance, 2, *args, env=ENV, timeout_s=600)
+    for rank, r in enumerate(results):
+        assert r["expert_rows"] == (0 if mla else 4 * 2), (rank, r)  # one sparse layer: experts x (w13, w2)
+        assert r["sharded_mismatch"] == [] and r["refit_mismatch"] == [], (rank, r)
+        assert r["sampled_tokens"] > 0 and r["logprob_err"] < 1e-4, (rank, r)
+        assert mla or r["sharded_logprob_err"] < 1e-4, (rank, r)

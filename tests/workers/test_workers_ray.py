@@ -6,6 +6,7 @@
 - After a weight sync, vLLM's log-probs of its sampled tokens equal the
   actor's Megatron log-probs; after an actor update they differ from the old
   ones and a new sync makes them equal again (no stale weights).
+- The same for GLM-4.5 and DeepSeek-V3 actors in the MoE quickstart's layout (TP2 x EP2).
 - Critic values at TP=2 equal the single-process value computed from the
   same weights on every response token, and are zero past a response's end.
 """
@@ -132,36 +133,83 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
     cfg = _config(tiny, world)
     group, pool = _actor_group(cfg, world, f"actor{world}")
     try:
-        rollout = group.call.generate_sequences(
-            _prompts(),
-            log_probs=("old_log_probs",),
-        )
-        assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
-        mask = rollout["response_mask"].float()
-        fused = rollout.pop(["old_log_probs"])["old_log_probs"]
-        old = group.call.compute_log_prob(rollout)["old_log_probs"]
-        # The pass the generation's call ran on its own rows is the pass of a call of its own.
-        assert torch.equal(fused, old) and "old_log_probs_span" in rollout.meta_info
-        hf = _hf_log_probs(tiny, rollout)
-        assert ((old - hf).abs() * mask).max() < 1e-4, "Megatron TP=2 log-probs differ from transformers"
-        assert ((old - rollout["rollout_log_probs"]).abs() * mask).max() < 1e-4, "vLLM and Megatron disagree"
-
-        # One PPO update with a fixed advantage moves the weights; the next rollout must see them.
-        rollout = rollout.union(Batch_like(rollout, old))
-        metrics = group.call.update_actor(rollout)
-        assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
-        new = group.call.compute_log_prob(rollout)["old_log_probs"]
-        assert ((new - old).abs() * mask).max() > 1e-3, "the update did not change the policy"
-        # The driver syncs right after every update; the converter reports its phases.
-        sync = group.call.update_weights()
-        assert {"sync/gather_s", "sync/convert_s", "sync/peak_bucket_bytes"} <= set(sync)
-        rollout2 = group.call.generate_sequences(_prompts())
-        new2 = group.call.compute_log_prob(rollout2)["old_log_probs"]
-        mask2 = rollout2["response_mask"].float()
-        assert ((new2 - rollout2["rollout_log_probs"]).abs() * mask2).max() < 1e-4, "stale weights in vLLM"
+        _check_generate_update_sync(group, tiny)
     finally:
         group.shutdown()
         pool.remove()
+
+
+# GLM-4.5 with rollout TP 2; DeepSeek-V3 with rollout TP 1 (vLLM's CPU MLA backend is checked at TP 1).
+MOE_ROLLOUT_TP = {"glm4_moe": 2, "deepseek_v3": 1}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_ROLLOUT_TP))
+def test_deepseek_moe_actor_at_tp2_ep2_trains_and_syncs(local_ray, tmp_path, family):
+    """The MoE quickstart's actor layout (TP2 x EP2, experts whole) for GLM-4.5 and DeepSeek-V3:
+    the same checks as the dense actor's (transformers, vLLM, an update, a sync, no stale weights)."""
+    from rlhf_megatron.models.tiny import VLLM_CPU_MLA, make_tiny_moe_model
+
+    model = str(
+        make_tiny_moe_model(
+            tmp_path / family,
+            family,
+            hidden_size=256,
+            num_heads=4,
+            num_kv_heads=2,
+            mlp_only_layers=(0,),
+            groups=(2, 1),
+            max_position_embeddings=64,
+            mla=VLLM_CPU_MLA if family == "deepseek_v3" else None,
+        )
+    )
+    extra = {
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 2,
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": 1,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": MOE_ROLLOUT_TP[family],
+    }
+    group, pool = _actor_group(_config(model, 2, **extra), 2, f"moe_{family}")
+    try:
+        # Rollout TP 1 under actor TP 2: the generation's call cannot run the log-prob pass itself.
+        _check_generate_update_sync(group, model, fused=MOE_ROLLOUT_TP[family] == 2)
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def _check_generate_update_sync(group, model_path, fused=True):
+    """Generation, log-probs equal to transformers' and to vLLM's (``fused``: also computed in the
+    generation's own call, and equal), one PPO update that moves the policy, a weight sync, and a
+    new rollout whose vLLM log-probs equal the actor's."""
+    rollout = group.call.generate_sequences(
+        _prompts(),
+        log_probs=("old_log_probs",),
+    )
+    assert len(rollout) == 8 and rollout["responses"].shape == (8, RESPONSE_LEN)
+    mask = rollout["response_mask"].float()
+    assert ("old_log_probs" in rollout.tensor_keys) == fused
+    if fused:
+        in_generation = rollout.pop(["old_log_probs"])["old_log_probs"]
+    old = group.call.compute_log_prob(rollout)["old_log_probs"]
+    if fused:
+        # The pass the generation's call ran on its own rows is the pass of a call of its own.
+        assert torch.equal(in_generation, old) and "old_log_probs_span" in rollout.meta_info
+    hf = _hf_log_probs(model_path, rollout)
+    assert ((old - hf).abs() * mask).max() < 1e-4, "Megatron TP=2 log-probs differ from transformers"
+    assert ((old - rollout["rollout_log_probs"]).abs() * mask).max() < 1e-4, "vLLM and Megatron disagree"
+
+    # One PPO update with a fixed advantage moves the weights; the next rollout must see them.
+    rollout = rollout.union(Batch_like(rollout, old))
+    metrics = group.call.update_actor(rollout)
+    assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in metrics)
+    new = group.call.compute_log_prob(rollout)["old_log_probs"]
+    assert ((new - old).abs() * mask).max() > 1e-3, "the update did not change the policy"
+    # The driver syncs right after every update; the converter reports its phases.
+    sync = group.call.update_weights()
+    assert {"sync/gather_s", "sync/convert_s", "sync/peak_bucket_bytes"} <= set(sync)
+    rollout2 = group.call.generate_sequences(_prompts())
+    new2 = group.call.compute_log_prob(rollout2)["old_log_probs"]
+    mask2 = rollout2["response_mask"].float()
+    assert ((new2 - rollout2["rollout_log_probs"]).abs() * mask2).max() < 1e-4, "stale weights in vLLM"
 
 
 def Batch_like(rollout, old):
