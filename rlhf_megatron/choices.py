@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointContent",
     "Choice",
     "Device",
+    "DistillationLossMode",
     "Dtype",
     "EngineMode",
     "FilterMetric",
@@ -209,6 +210,12 @@ JudgePlacement = _choice(
     ("colocated", "pool"),
     "``reward.judge.placement``: the judge's vLLM engine in the driver process (colocated) or on "
     "a Ray resource pool of its own (pool).",
+)
+DistillationLossMode = _choice(
+    "DistillationLossMode",
+    ("k3", "k1", "kl", "abs", "mse", "k2", "low_var_kl", "forward_kl_topk"),
+    "``distillation.distillation_loss.loss_mode``: the per-token student-teacher divergence (KL "
+    "estimators over the sampled token, or the forward KL over the teacher's top-k tokens).",
 )
 JudgeCombine = _choice(
     "JudgeCombine",

@@ -180,6 +180,13 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         (("tests/trainer/test_dapo_e2e.py", 'run_train("quickstart_cpu_dapo"'),),
         "the shared random tiny model with a reward of the test's own, CPU-sized steps, two steps",
     ),
+    # The distillation quickstart: tests/trainer/test_distillation_e2e.py trains
+    # configs/quickstart_opd_cpu.yaml through the CLI (its teacher replaced by the test's).
+    Exercised(
+        "python -m rlhf_megatron.train --config quickstart_opd_cpu",
+        (("tests/trainer/test_distillation_e2e.py", 'run_train("quickstart_opd_cpu"'),),
+        "the shared random tiny model as both student and teacher, one step",
+    ),
     # `rlhf-megatron plan` on the presets: tests/config/test_config_planner.py runs the CLI's plan on
     # every model preset (spelled with .yaml there; both spellings name the same file).
     Exercised(

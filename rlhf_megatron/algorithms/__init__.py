@@ -15,6 +15,7 @@ Modules:
     advantages       GAE, REINFORCE++, ReMax
     group_advantages GRPO (+ Dr. GRPO, Pass@k), RLOO, REINFORCE++-baseline, OPO, GPG
     kl               KL estimators, fixed / adaptive controllers, in-reward penalty
+    distillation     on-policy distillation: per-token student-teacher losses, as reward or loss
     losses           ``agg_loss``, value loss, entropy
     policy_losses    policy-loss registry: vanilla PPO, GSPO, KL-Cov
     policy_loss_variants  CISPO, SAPO, GPG, DRO, GMPO, Clip-Cov, DPPO-TV/KL (verl's names)
@@ -34,6 +35,11 @@ from rlhf_megatron.algorithms.advantages import (
     compute_gae_advantage_return,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
+)
+from rlhf_megatron.algorithms.distillation import (
+    DISTILLATION_LOSS_MODES,
+    compute_distillation_loss,
+    distillation_token_losses,
 )
 from rlhf_megatron.algorithms.group_advantages import (
     compute_gpg_outcome_advantage,
@@ -86,6 +92,7 @@ from rlhf_megatron.algorithms.utils import masked_mean, masked_var, masked_white
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
+    "DISTILLATION_LOSS_MODES",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_REGISTRY",
@@ -97,6 +104,7 @@ __all__ = [
     "apply_rollout_correction",
     "bradley_terry_loss",
     "compute_advantage",
+    "compute_distillation_loss",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
     "compute_gpg_outcome_advantage",
@@ -120,6 +128,7 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_rollout_is_weights",
     "compute_value_loss",
+    "distillation_token_losses",
     "entropy_from_logits",
     "estimator_needs_critic",
     "get_adv_estimator",

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_megatron.config.roles import RolePlan, role_plan
 from rlhf_megatron.config.schema import RolloutCorrectionConfig
+from rlhf_megatron.config.schema_distill import DistillationConfig
 
 __all__ = ["RunContext", "Seeds"]
 
@@ -71,6 +72,11 @@ class RunContext:
     """``algorithm.rollout_correction``: in bypass mode the actor's loss computes the correction
     (``algorithms.bypass_correction``); otherwise the driver did, and the actor only reads
     ``rollout_is_weights`` from the batch."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """``distillation``: the teachers the actor's processes serve (when colocated) and the loss
+    its update adds."""
+    reward_fn_key: str = "data_source"
+    """``data.reward_fn_key``: the column whose value picks a row's teacher (``teacher_models.*.key``)."""
 
     @classmethod
     def from_config(cls, cfg: DictConfig, total_steps: int) -> RunContext:
@@ -82,4 +88,6 @@ class RunContext:
             total_steps=total_steps,
             plan=role_plan(cfg),
             rollout_correction=OmegaConf.to_object(cfg.algorithm.rollout_correction),
+            distillation=OmegaConf.to_object(cfg.distillation),
+            reward_fn_key=cfg.data.reward_fn_key,
         )

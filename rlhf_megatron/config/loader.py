@@ -19,6 +19,7 @@ Boundaries: no cross-field rules (``validate.py``), no derived values (``normali
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import tempfile
@@ -207,6 +208,7 @@ def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
                     break
                 empty = meta.section_type() if meta.section else {}
                 OmegaConf.update(cfg, prefix, empty, merge=False)
+        _add_typed_entries(cfg, parts)
         meta = info.get(key)
         if meta is not None and meta.section and value is not None and value != {}:
             errors.append(
@@ -218,6 +220,16 @@ def _apply(cfg: DictConfig, layers: _Layers) -> list[str]:
         except OmegaConfBaseException as exc:
             errors.append(_rejected_value(key, value, source, meta, exc))
     return errors
+
+
+def _add_typed_entries(cfg: DictConfig, parts: list[str]) -> None:
+    """A dict of sections (``distillation.teacher_models``) gets the entry a key names as a section
+    at its defaults before the key is written (OmegaConf would insert a plain dict and refuse it)."""
+    for i in range(1, len(parts) - 1):
+        node = OmegaConf.select(cfg, ".".join(parts[:i]))
+        element = getattr(getattr(node, "_metadata", None), "element_type", None)
+        if isinstance(node, DictConfig) and dataclasses.is_dataclass(element) and parts[i] not in node:
+            node[parts[i]] = OmegaConf.structured(element)
 
 
 _VALUE_HINTS = {
@@ -353,7 +365,6 @@ def load_stage_config(
     """A stage's config (``schema_stages.SFTConfig`` / ``RMConfig``): defaults <- ``config_file``
     (and its ``base`` chain) <- ``overrides``, key by key as ``build_config`` checks them, then
     each section's own ``validate``. Raises ``ConfigError`` listing every problem."""
-    import dataclasses
 
     layers = _Layers(schema)
     if config_file is not None:

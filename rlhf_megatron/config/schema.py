@@ -39,6 +39,7 @@ from rlhf_megatron.choices import (
 )
 from rlhf_megatron.config.checks import count_problems, name_problem
 from rlhf_megatron.config.roles import active_roles
+from rlhf_megatron.config.schema_distill import DistillationConfig
 from rlhf_megatron.config.schema_reward import JudgeConfig
 from rlhf_megatron.config.schema_roles import (
     ActorConfig,
@@ -672,6 +673,9 @@ class RunConfig:
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """Ray start-up."""
 
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from teacher models (verl's keys; off by default)."""
+
     parallelism: Parallelism = Parallelism.manual
     """``auto``: the planner chooses every layout key this config leaves unset (actor TP, PP, CP,
     EP, the rollout's TP, the per-GPU micro-batches) for the fastest predicted step that fits
@@ -694,4 +698,11 @@ class RunConfig:
         out += self.reward_model.validate("reward_model", built="reward_model" in roles)
         out += self.algorithm.validate("algorithm")
         out += self.reward.judge.validate("reward.judge")
+        rollout = self.actor_rollout_ref.rollout
+        rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1  # as the actor's
+        out += self.distillation.validate(
+            "distillation",
+            rollout_tp=rollout_tp if isinstance(rollout_tp, int) else 1,
+            context_len=self.data.max_prompt_length + self.data.max_response_length,
+        )
         return out + self.trainer.validate("trainer")

@@ -52,6 +52,7 @@ __all__ = [
     "position_ids_from_mask",
     "vocab_parallel_entropy",
     "vocab_parallel_log_probs",
+    "vocab_parallel_log_probs_at",
 ]
 
 
@@ -493,6 +494,66 @@ def vocab_parallel_log_probs(
     recomputes the softmax from the logits it keeps instead of holding fp32 probabilities.
     """
     return _VocabParallelLogProb.apply(logits, labels, vocab_size, _tp_group(tp_group), chunk_elements)
+
+
+class _VocabParallelLogProbsAt(torch.autograd.Function):
+    """``_VocabParallelLogProb`` at ``K`` ids per position (``[B, S, K]``) instead of one label: the
+    student's log-probs at a teacher's top-k tokens. One softmax per position serves all ``K``."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, vocab_size, group, chunk_elements):
+        start, local = _shard_start(logits, group), logits.shape[-1]
+        out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)  # (B, S, K)
+        zmax = torch.empty(ids.shape[:-1], dtype=torch.float32, device=logits.device)  # (B, S)
+        lse = torch.empty_like(zmax)
+        for rows, cols in _blocks(logits, chunk_elements):
+            shifted, zmax[rows, cols], lse[rows, cols] = _shifted_and_lse(
+                _masked_fp32(logits[rows, cols], start, vocab_size), group
+            )
+            idx = ids[rows, cols] - start  # (b, s, K)
+            mine = (idx >= 0) & (idx < local)
+            picked = shifted.gather(-1, idx.clamp(0, local - 1))
+            picked = _all_reduce(
+                torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group
+            )
+            out[rows, cols] = picked - lse[rows, cols].unsqueeze(-1)
+        ctx.save_for_backward(logits, ids)
+        ctx.zmax, ctx.lse = zmax, lse
+        ctx.vocab_size, ctx.start, ctx.chunk_elements = vocab_size, start, chunk_elements
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, ids = ctx.saved_tensors
+        local = logits.shape[-1]
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _blocks(logits, ctx.chunk_elements):
+            g = grad[rows, cols]  # (b, s, K)
+            # d sum_k g_k log p_{id_k} / d z_v = sum_k g_k 1[v = id_k] - p_v sum_k g_k
+            block = -_log_probs_of(logits[rows, cols], ctx, rows, cols).exp() * g.sum(-1, keepdim=True)
+            idx = ids[rows, cols] - ctx.start
+            mine = (idx >= 0) & (idx < local)
+            block.scatter_add_(-1, idx.clamp(0, local - 1), (mine * g).to(block.dtype))
+            grad_logits[rows, cols] = block
+        return grad_logits, None, None, None, None
+
+
+def vocab_parallel_log_probs_at(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    vocab_size: int | None = None,
+    tp_group=None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """``log softmax(logits)`` at ``ids`` ``[B, S, K]`` (K token ids per position) from
+    vocabulary-sharded ``[B, S, V_pad/tp]`` logits, as ``vocab_parallel_log_probs`` does for one
+    label: fp32 ``[B, S, K]``, identical on every TP rank, differentiable."""
+    if logits.dim() != 3 or ids.dim() != 3 or ids.shape[:2] != logits.shape[:2]:
+        raise ValueError(
+            f"vocab_parallel_log_probs_at: logits {tuple(logits.shape)} must be [B, S, V] and ids "
+            f"{tuple(ids.shape)} [B, S, K] over the same positions"
+        )
+    return _VocabParallelLogProbsAt.apply(logits, ids, vocab_size, _tp_group(tp_group), chunk_elements)
 
 
 def vocab_parallel_entropy(

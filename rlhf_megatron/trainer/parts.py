@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the driver names the worker classes, it does not import meg
     from rlhf_megatron.workers.actor import ActorRolloutRefWorker
     from rlhf_megatron.workers.critic import CriticWorker, RewardModelWorker
     from rlhf_megatron.workers.rollout import InterruptSignal, RolloutWorker
+    from rlhf_megatron.workers.teacher import TeacherWorker
 
 __all__ = ["RoleGroups", "RunParts"]
 
@@ -58,6 +59,9 @@ class RoleGroups:
     rollout: WorkerGroup[RolloutWorker] | None = None
     """The rollout pool's group when the rollout is disaggregated (None: the actor's processes
     generate)."""
+    teacher: WorkerGroup[TeacherWorker] | None = None
+    """The teacher pool's group (``distillation.*.enable_resource_pool``; None: the teachers, if
+    any, live in the actor's processes)."""
     interrupts: InterruptSignal | None = None
     """The rollout pool's interrupt signal when ``trainer.partial_rollout`` is on."""
     restart_rollout: Callable[[], WorkerGroup[RolloutWorker]] | None = None

@@ -85,6 +85,8 @@ class PPOTrainer:
         self.total_steps = context.total_steps
         self.actor, self.critic, self.reward_model = groups.actor, groups.critic, groups.reward_model
         self.rollout = groups.rollout
+        self.teachers = groups.teacher if groups.teacher is not None else groups.actor
+        """The group whose processes hold the distillation teachers' engines (their pool, or the actor)."""
         self.rollout_client = RolloutClient(
             groups.actor,
             groups.rollout,
@@ -315,7 +317,8 @@ class PPOTrainer:
     def _score_and_log_probs(
         self, batch: Batch, step: int, timer: StepTimer, metrics: dict[str, Any]
     ) -> Batch:
-        """Rewards, and the old and reference log-probs (those the generation's call did not compute).
+        """Rewards, the old and reference log-probs (those the generation's call did not compute) and,
+        with ``distillation.enabled``, the teachers' log-probs of the sampled tokens.
 
         The actor's passes go out before the driver scores the batch (a worker runs its calls in
         order), so scoring overlaps them. With a reward model, scoring runs a model too: it goes
@@ -333,6 +336,13 @@ class PPOTrainer:
         for name, key, method, wanted in (
             ("old_log_prob", "old_log_probs", submit.compute_log_prob, not bypass),
             ("ref", "ref_log_probs", submit.compute_ref_log_prob, self.plan.ref),
+            # On-policy distillation: the teachers score the sampled tokens.
+            (
+                "teacher",
+                "teacher_log_probs",
+                self.teachers.submit.compute_teacher_log_probs,
+                self.cfg.distillation.enabled,
+            ),
         ):
             if f"{key}_span" in batch.meta_info:  # computed in the generation's call
                 timer.record(name, *batch.meta_info[f"{key}_span"])

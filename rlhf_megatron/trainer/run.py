@@ -231,6 +231,17 @@ def _worker_groups(run: RunConfig, context: RunContext):
         rollout_pool.create()
         pools.append(rollout_pool)
         groups["rollout"] = _rollout_group(run, context, rollout_pool)
+    if run.distillation.enabled and run.distillation.pooled():  # the teachers on a pool of their own
+        from rlhf_megatron.workers.teacher import TeacherWorker
+
+        nnodes, per_node = run.distillation.pool_shape()
+        teacher_pool = ResourcePool("teacher_pool", [per_node] * nnodes, use_gpu=use_gpu)
+        teacher_pool.create()
+        pools.append(teacher_pool)
+        context_len = run.data.max_prompt_length + run.data.max_response_length
+        groups["teacher"] = WorkerGroup(
+            "teacher", teacher_pool, TeacherWorker, {"context": context, "context_len": context_len}
+        )
     # The rollout pool's vLLM starts while the trainer's roles build their models, one role at a time.
     starting = groups["rollout"].submit.init_model() if "rollout" in groups else None
     try:
@@ -314,6 +325,12 @@ def run_training(cfg: DictConfig) -> list[dict[str, Any]]:
     )
     arch = ModelArch.from_hf_dir(model_path)
     check_tokenizer_fits_model(tokenizer, arch, model_path)
+    if run.distillation.enabled:  # a teacher of another tokenizer is refused before any process starts
+        from rlhf_megatron.rollout.teacher import check_teacher_tokenizers
+
+        check_teacher_tokenizers(
+            model.tokenizer_path or model.path, run.distillation, model.trust_remote_code
+        )
     train_loader, val_loader = _loaders(run, tokenizer)
     total = run.trainer.total_training_steps or len(train_loader) * run.trainer.total_epochs
     run_dir = Path(run.trainer.default_local_dir)
@@ -428,6 +445,7 @@ class _Attempt:
                 critic=groups.get("critic"),
                 reward_model=groups.get("reward_model"),
                 rollout=groups.get("rollout"),
+                teacher=groups.get("teacher"),
                 interrupts=interrupts,
                 restart_rollout=restart_rollout,
             )

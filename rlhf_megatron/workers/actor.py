@@ -28,16 +28,22 @@ from rlhf_megatron.algorithms.bypass_correction import (
     compute_policy_loss_reinforce,
     corrects_at_loss_time,
 )
+from rlhf_megatron.algorithms.distillation import compute_distillation_loss
 from rlhf_megatron.config.context import RunContext
 from rlhf_megatron.config.schema import ActorRolloutRefConfig
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.models.forward import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf_megatron.models.forward import (
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_at,
+)
 from rlhf_megatron.models.lora import adapters_disabled
 from rlhf_megatron.models.lora_io import merge_adapters
 from rlhf_megatron.models.routing_replay import ROUTES_KEY
 from rlhf_megatron.platform import ParallelGroups
 from rlhf_megatron.platform.faults import fault_point
 from rlhf_megatron.rollout import RolloutEngine
+from rlhf_megatron.rollout.teacher import TEACHER_COLUMNS, TeacherScorer
 from rlhf_megatron.scheduling.dispatch import Dispatch, dispatch
 from rlhf_megatron.weights import TrainLayout, WeightSyncer, build_sync_plan
 from rlhf_megatron.weights.cross_pool import CrossPoolRoute, open_sync_group, send_buckets
@@ -84,6 +90,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         """Disaggregated rollout, rank 0: the process group spanning the trainer and the rollout pool."""
         self.weights_stale = False
         """The actor's weights changed since the rollout engine last received them."""
+        self.teacher: TeacherScorer | None = None
+        """On-policy distillation: the teachers' vLLM engines in this process (``distillation.*``)."""
 
     def init_model(self) -> None:
         arc = self.section
@@ -116,6 +124,22 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                 pack_prompts=bool(arc.model.shared_prompt_packing),
             )
         self._init_rollout()
+        self._init_teacher()
+
+    def _init_teacher(self) -> None:
+        """The teachers' engines, after the rollout's: they join the vLLM parallel groups the rollout
+        set up (same TP), so every rollout replica has its own copy of each teacher."""
+        distillation = self.context.distillation
+        if not distillation.enabled or distillation.pooled():  # a pool's teachers are TeacherWorkers
+            return
+        rollout = self.section.rollout
+        self.teacher = TeacherScorer(
+            distillation,
+            tensor_parallel_size=self.rollout_tp,
+            context_len=rollout.prompt_length + rollout.response_length,
+            key_column=self.context.reward_fn_key,
+            seed=self.context.seeds.rollout_engine(self.rank // self.rollout_tp),
+        )
 
     # ------------------------------------------------------------------ rollout
     def _init_rollout(self) -> None:
@@ -341,6 +365,19 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         batch = batch.union(Batch.from_dict({ROUTES_KEY: routes}))
         return batch
 
+    @dispatch(Dispatch.DP_COMPUTE, layout="rollout")
+    def compute_teacher_log_probs(self, batch: Batch) -> Batch:
+        """On-policy distillation: the teachers' log-probs of the batch's sampled tokens,
+        ``teacher_log_probs`` [B, R] (and, for ``forward_kl_topk``, ``teacher_topk_ids`` and
+        ``teacher_topk_log_probs`` [B, R, K]). Dispatched like a generation: every rank of a rollout
+        TP group scores the same rows on its shard of the teacher's engine."""
+        if self.teacher is None:
+            raise RuntimeError(
+                f"[actor] rank {self.rank}: compute_teacher_log_probs, but distillation.enabled=false "
+                "(no teacher was built)"
+            )
+        return self.teacher.score(batch)
+
     @dispatch(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         """``ref_log_probs`` [B, R] of the reference policy."""
@@ -368,6 +405,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         # from the current policy against them, here rather than on the driver.
         corr = self.context.rollout_correction
         at_loss_time = corrects_at_loss_time(corr)
+        distill = self.context.distillation.distillation_loss if self.context.distillation.enabled else None
 
         def fn(logits, micro):
             resp_logits = response_outputs(logits, micro)  # (b, w, V/tp); w <= R after trimming
@@ -399,6 +437,11 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
                     **options,
                 )
             loss = pg_loss
+            if distill is not None:
+                d_loss, d_metrics = self._distillation_loss(distill, resp_logits, log_prob, micro, is_weights)
+                # Without the task's rewards the distillation loss replaces the policy loss.
+                loss = loss + distill.distillation_loss_coef * d_loss if distill.use_task_rewards else d_loss
+                corr_metrics = {**corr_metrics, **d_metrics}
             metrics = {
                 "actor/pg_loss": pg_loss.detach(),
                 "actor/pg_clipfrac": clipfrac.detach(),
@@ -423,6 +466,37 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
 
         return fn
 
+    def _distillation_loss(self, distill, resp_logits, log_prob, micro, is_weights):
+        """``algorithms.compute_distillation_loss`` of a micro-batch against the teacher's columns;
+        ``forward_kl_topk`` gathers the student's log-probs at the teacher's top-k ids from the
+        vocabulary-parallel logits. Metrics as ``actor/distillation/*``."""
+        student_topk = teacher_topk = None
+        if distill.loss_mode == "forward_kl_topk":
+            ids = micro["teacher_topk_ids"][:, : resp_logits.shape[1]]  # (b, w, K)
+            student_topk = pad_responses(
+                vocab_parallel_log_probs_at(resp_logits, ids, self.arch.vocab_size), micro
+            )
+            teacher_topk = micro["teacher_topk_log_probs"]
+        actor = self.section.actor
+        loss, metrics = compute_distillation_loss(
+            distill.loss_mode,
+            log_prob,
+            micro["old_log_probs"],
+            micro["teacher_log_probs"],
+            micro["response_mask"].to(torch.float32),
+            loss_agg_mode=actor.loss_agg_mode,
+            use_policy_gradient=distill.use_policy_gradient,
+            loss_max_clamp=distill.loss_max_clamp,
+            log_prob_min_clamp=distill.log_prob_min_clamp,
+            clip_ratio=distill.clip_ratio,
+            clip_ratio_low=distill.clip_ratio_low,
+            clip_ratio_high=distill.clip_ratio_high,
+            student_topk_log_probs=student_topk,
+            teacher_topk_log_probs=teacher_topk,
+            rollout_is_weights=is_weights,
+        )
+        return loss, {f"actor/distillation/{k}": v.detach() for k, v in metrics.items()}
+
     @dispatch(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch, step: int = 0) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches; returns averaged metrics (on output ranks)."""
@@ -431,6 +505,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         keys = (*MODEL_KEYS, *UPDATE_KEYS, *(("ref_log_probs",) if actor.use_kl_loss else ()))
         if "rollout_is_weights" in batch.tensor_keys:  # set by the driver's apply_rollout_correction
             keys = (*keys, "rollout_is_weights")
+        if self.context.distillation.enabled:  # compute_teacher_log_probs' columns
+            keys = (*keys, *(k for k in TEACHER_COLUMNS if k in batch.tensor_keys))
         if actor.router_replay.mode != "disabled":
             batch = self._routes_for_update(batch)
             keys = (*keys, ROUTES_KEY)
@@ -439,6 +515,8 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         return metrics
 
     def shutdown(self) -> None:
+        if self.teacher is not None:
+            self.teacher.shutdown()
         if self.rollout_engine is not None and hasattr(self.rollout_engine, "shutdown"):
             self.rollout_engine.shutdown()
         super().shutdown()

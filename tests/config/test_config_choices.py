@@ -67,6 +67,10 @@ ENUM_CASES = {
     choices.OnError: ("reward.on_error", "is not one of: raise, zero"),
     choices.JudgePlacement: ("reward.judge.placement", "is not one of: colocated, pool"),
     choices.JudgeCombine: ("reward.judge.combine", "is not one of: replace, add"),
+    choices.DistillationLossMode: (
+        "distillation.distillation_loss.loss_mode",
+        "is not one of: k3, k1, kl, abs, mse, k2, low_var_kl, forward_kl_topk",
+    ),
     choices.Device: ("trainer.device", "is not one of: auto, cuda, cpu"),
     choices.NanPolicy: ("trainer.nan_policy", "is not one of: stop, skip"),
     choices.VerifyCheckpoint: ("trainer.verify_checkpoint", "is not one of: sha256, size, none"),

@@ -41,6 +41,33 @@ VL_ARCH = [
 # section key -> (overrides on top of the valid base config, substrings its messages must contain):
 # the rules each section checks itself (``<Section>.validate``, beside its fields in schema*.py).
 SECTION_CASES = {
+    "distillation": (
+        [
+            "distillation.enabled=true",
+            "distillation.teacher_models.a.model_path=/t/a",
+            "distillation.teacher_models.b.model_path=/t/b",
+            "distillation.teacher_models.b.inference.tensor_model_parallel_size=2",
+            "distillation.teacher_models.b.inference.max_num_seqs=0",
+        ],
+        [
+            "distillation.teacher_models has 2 teachers with keys [None, None]: each needs its own key",
+            "distillation.teacher_models.b.inference.tensor_model_parallel_size=2 differs from the rollout's 1",
+            "distillation.teacher_models.b.inference.max_num_seqs=0 must be >= 1",
+        ],
+    ),
+    "distillation.distillation_loss": (
+        [
+            "distillation.enabled=true",
+            "distillation.distillation_loss.loss_mode=k1",
+            "distillation.distillation_loss.use_policy_gradient=false",
+            "distillation.distillation_loss.policy_loss_mode=gspo",
+        ],
+        [
+            "distillation.distillation_loss.loss_mode=k1 with distillation.distillation_loss.use_policy_gradient="
+            "false: k1's gradient is grad log p_student, which does not depend on the teacher",
+            "distillation.distillation_loss.policy_loss_mode='gspo': only 'vanilla' is supported",
+        ],
+    ),
     "reward.judge": (
         ["reward.judge.enable=true", "reward.judge.score_pattern='Score: [0-9]+'"],
         [
@@ -421,6 +448,13 @@ CASES = {
             "actor_rollout_ref.model.target_modules names ['qkv_proj'], which LlamaForCausalLM does not have",
             "actor_rollout_ref.model.lora_rank=8 adapts megatron's local layers; set "
             "actor_rollout_ref.actor.megatron.transformer_impl=local",
+        ],
+    ),
+    V.check_expert_bias_update: (
+        [f"{A}.megatron.moe_router_bias_update=true"],
+        [
+            "actor_rollout_ref.actor.megatron.moe_router_bias_update=true updates the routers' expert bias, "
+            "but the LlamaForCausalLM of"
         ],
     ),
     V.check_router_replay: (

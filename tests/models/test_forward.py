@@ -10,6 +10,7 @@ from rlhf_megatron.models.forward import (
     position_ids_from_mask,
     vocab_parallel_entropy,
     vocab_parallel_log_probs,
+    vocab_parallel_log_probs_at,
 )
 from rlhf_megatron.platform.multiproc import run_on_ranks
 
@@ -133,4 +134,55 @@ def test_two_tp_shards_match_the_full_softmax_without_gathering():
         lp, ent, grad = (torch.from_numpy(a) for a in arrays)
         torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad.double(), y.grad.chunk(2, -1)[rank], atol=1e-5, rtol=1e-4)
+
+
+def _topk_data(seed=1, k=4):
+    logits, _, _ = _data(seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 5, k), generator=g)
+    ids[0, 0] = ids[0, 0, 0]  # repeated ids (padded positions send id 0 K times)
+    weights = torch.randn(2, 5, k, generator=g, dtype=torch.float64)
+    return logits, ids, weights
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_log_probs_at_topk_ids_values_and_gradients(chunk):
+    logits, ids, weights = _topk_data()
+    x = logits.clone().float().requires_grad_()
+    kw = {"chunk_elements": chunk} if chunk else {}
+    lp = vocab_parallel_log_probs_at(x, ids, VOCAB, **kw)
+    (lp * weights).sum().backward()
+    y = logits.clone().requires_grad_()
+    ref = torch.log_softmax(y[..., :VOCAB], -1).gather(-1, ids)
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), y.grad, atol=1e-5, rtol=1e-4)
+    assert torch.all(x.grad[..., VOCAB:] == 0)
+
+
+def _two_shards_topk(rank, world_size):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    logits, ids, weights = _topk_data()
+    shard = logits.float().chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    lp = vocab_parallel_log_probs_at(
+        shard, ids, VOCAB, tp_group=dist.group.WORLD, chunk_elements=3 * PADDED // 2
+    )
+    (lp * weights.float()).sum().backward()
+    dist.destroy_process_group()
+    return lp.detach().numpy(), shard.grad.numpy()
+
+
+@pytest.mark.slow
+def test_log_probs_at_topk_ids_over_two_tp_shards():
+    logits, ids, weights = _topk_data()
+    y = logits.clone().requires_grad_()
+    ref = torch.log_softmax(y[..., :VOCAB], -1).gather(-1, ids)
+    (ref * weights).sum().backward()
+    out = run_on_ranks(_two_shards_topk, 2, timeout_s=300, init_process_group=False)
+    for rank, arrays in enumerate(out):
+        lp, grad = (torch.from_numpy(a) for a in arrays)
+        torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad.double(), y.grad.chunk(2, -1)[rank], atol=1e-5, rtol=1e-4)
