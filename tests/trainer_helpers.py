@@ -22,6 +22,16 @@ from shared_artifacts import shared_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 
+TINY_POLICY_SHAPE = dict(
+    num_layers=2,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=512,
+    max_position_embeddings=128,
+)
+"""The session's tiny policy (``tiny_run_inputs``): the quickstart preset's architecture."""
+
 REFERENCE_STEPS = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
 """The reference run: the quickstart GRPO config, three steps, a checkpoint after each."""
 
@@ -48,16 +58,7 @@ def tiny_run_inputs(tmp_path_factory):
             capture_output=True,
         )
         # The quickstart preset's architecture (its model_arch must match the checkpoint), random weights.
-        model = make_tiny_hf_model(
-            root / "model",
-            "llama",
-            num_layers=2,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=2,
-            ffn_hidden_size=512,
-            max_position_embeddings=128,
-        )
+        model = make_tiny_hf_model(root / "model", "llama", **TINY_POLICY_SHAPE)
         return {"model": str(model), "data": str(root / "data")}
 
     return shared_artifact(tmp_path_factory, "trainer_inputs", build)[1]

@@ -159,18 +159,11 @@ def _tiny_quickstart_inputs(root):
     import subprocess
     import sys
 
+    from trainer_helpers import TINY_POLICY_SHAPE
+
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
-    model = make_tiny_hf_model(
-        root / "model",
-        "llama",
-        num_layers=2,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=512,
-        max_position_embeddings=128,
-    )
+    model = make_tiny_hf_model(root / "model", "llama", **TINY_POLICY_SHAPE)
     subprocess.run(
         [
             sys.executable,

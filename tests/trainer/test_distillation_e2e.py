@@ -16,7 +16,7 @@ or on its own pool, scoring every sampled token before the actor's update.
 import math
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import TINY_POLICY_SHAPE, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -27,17 +27,7 @@ def _teacher(tmp_path):
     from rlhf_megatron.models.tiny import make_tiny_hf_model
 
     # The session's student architecture (trainer_helpers.tiny_run_inputs), other weights.
-    return make_tiny_hf_model(
-        tmp_path / "teacher",
-        "llama",
-        num_layers=2,
-        hidden_size=256,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=512,
-        max_position_embeddings=128,
-        seed=7,
-    )
+    return make_tiny_hf_model(tmp_path / "teacher", "llama", **TINY_POLICY_SHAPE, seed=7)
 
 
 def test_the_student_as_its_own_teacher_has_zero_reverse_kl(tiny_run_inputs, tmp_path):
