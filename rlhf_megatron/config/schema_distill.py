@@ -175,8 +175,8 @@ class DistillationConfig:
 
     num_workers: int = 8
     """verl's teacher replica count. Here the replicas follow the placement (one per rollout replica
-    in the actor's processes; one per ``inference.tensor_model_parallel_size`` processes of a pool),
-    so the key is accepted and not read."""
+    in the actor's processes; one per ``inference.tensor_model_parallel_size`` processes of a pool):
+    verl's default 8 is accepted, any other count is refused (it could not be honoured)."""
 
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     """The teacher (verl's single-teacher form)."""
@@ -219,6 +219,13 @@ class DistillationConfig:
         if not self.enabled:
             return []
         out = []
+        if self.num_workers != 8:
+            out.append(
+                f"{key}.num_workers={self.num_workers}: the teacher replicas follow their placement here "
+                f"(one per rollout replica in the actor's processes, or one per {key}.teacher_model"
+                ".inference.tensor_model_parallel_size processes of its pool); remove the key or leave "
+                "it at verl's default 8"
+            )
         if self.teacher_models and self.teacher_model.model_path:
             out.append(
                 f"{key}.teacher_model.model_path and {key}.teacher_models are both set; use one form "

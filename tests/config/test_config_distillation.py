@@ -58,6 +58,12 @@ def test_both_forms_at_once_are_refused():
     assert any("teacher_model.model_path and distillation.teacher_models are both set" in e for e in errors)
 
 
+def test_a_replica_count_that_cannot_be_honoured_is_refused():
+    make_cfg(*ON, "distillation.teacher_model.model_path=/t", "distillation.num_workers=8", validate=True)
+    errors = _errors("distillation.teacher_model.model_path=/t", "distillation.num_workers=4")
+    assert any("distillation.num_workers=4: the teacher replicas follow their placement" in e for e in errors)
+
+
 def test_a_teacher_context_too_short_for_prompt_and_response_is_refused():
     errors = _errors(
         "distillation.teacher_model.model_path=/t",
