@@ -458,13 +458,14 @@ def build_engine(section_cfg, arch, model_dir: str, cuda: bool) -> tuple:
 def actor_step(args, section_cfg, arch, batch: dict) -> ActorStep:
     """``batch`` (a ``synthetic_batch``) split into ``args.micro``-row micro-batches, with the actor's
     loss functions."""
-    from rlhf_megatron.config.schema import RolloutCorrectionConfig
+    from rlhf_megatron.config.context import RunContext, Seeds
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.workers.actor import UPDATE_KEYS, ActorRolloutRefWorker
     from rlhf_megatron.workers.megatron_engine import MODEL_KEYS, split_micro_batches
 
-    # What the loss functions read of a worker; no rollout correction (the step as a run without it).
-    context = types.SimpleNamespace(rollout_correction=RolloutCorrectionConfig())
+    # What the loss functions read of a worker: the run context a plain PPO run has (no rollout
+    # correction, no distillation), so a new run-level option reaches this script too.
+    context = RunContext(seeds=Seeds(0), nan_policy="stop", rollout_n=1, total_steps=1)
     worker = types.SimpleNamespace(section=section_cfg, arch=arch, context=context)
     rows = Batch.from_dict(batch)
     return ActorStep(
