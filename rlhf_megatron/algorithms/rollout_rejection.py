@@ -161,7 +161,7 @@ def compute_rollout_rejection_mask(
     Returns:
         mask: (B, R) in ``response_mask``'s dtype.
         metrics (unprefixed, as verl names them), per option ``rollout_rs_<opt>_mean``/``_max``/
-        ``_min`` (of the statistic over valid tokens, or over sequences for sequence options),
+        ``_min``/``_std`` (of the statistic over valid tokens, or over sequences for sequence options),
         ``_fraction_high``/``_fraction_low`` (share beyond each bound), ``_masked_fraction`` (share
         of valid tokens it rejects) and ``_seq_masked_fraction``; overall
         ``rollout_rs_masked_fraction`` and ``rollout_rs_seq_masked_fraction``.
@@ -188,6 +188,7 @@ def compute_rollout_rejection_mask(
                 metrics[f"{name}_mean"] = float(unit.double().mean())
                 metrics[f"{name}_max"] = float(unit.max())
                 metrics[f"{name}_min"] = float(unit.min())
+                metrics[f"{name}_std"] = float(unit.double().std()) if unit.numel() > 1 else 0.0
                 metrics[f"{name}_fraction_high"] = float((unit > hi).double().mean())
                 metrics[f"{name}_fraction_low"] = (
                     float((unit < lo).double().mean()) if lo is not None else 0.0

@@ -81,6 +81,10 @@ def test_k1_bounds_bind_on_both_sides():
     # token k1 = -log_ratio: 0.9 -> -0.9 < log 0.5 (low); -0.9 -> 0.9 > log 2 (high); -2 -> 2 (high)
     assert metrics["rollout_rs_token_k1_fraction_low"] == pytest.approx(1 / 10)
     assert metrics["rollout_rs_token_k1_fraction_high"] == pytest.approx(2 / 10)
+    k1 = (rollout - old)[mask != 0].double()  # the statistic over valid tokens
+    assert metrics["rollout_rs_token_k1_mean"] == pytest.approx(float(k1.mean()))
+    assert metrics["rollout_rs_token_k1_std"] == pytest.approx(float(k1.std()))
+    assert metrics["rollout_rs_token_k1_max"] == pytest.approx(float(k1.max()))
 
 
 def test_options_combine_with_one_threshold_each():
