@@ -11,7 +11,7 @@
   vLLM 0.32 on CPU leaves unpacked after a reload) vLLM's log-probs of its samples equal the
   Megatron model's.
 - The same against vLLM for GLM-4.5 and DeepSeek-V3 from the MoE quickstart's actor layout (TP2 x
-  EP2, experts whole): q/k/v biases and q/k norms, multi-latent attention (``hf`` format only: its
+  EP2, experts whole), at rollout TP 2 and 1: q/k/v biases and q/k norms, multi-latent attention (``hf`` format only: its
   sharded plan is refused), shared experts and the router's score-correction bias (a buffer,
   perturbed enough to move routing) all reach vLLM.
 """
@@ -99,7 +99,8 @@ def test_qwen3_moe_at_ep2_matches_vllms_loader_and_log_probs(tmp_path, rollout_t
         )
 
 
-@pytest.mark.parametrize(("family", "rollout_tp"), [("glm4_moe", 2), ("deepseek_v3", 1)])
+@pytest.mark.parametrize("rollout_tp", [2, 1])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 def test_deepseek_moe_families_at_tp2_ep2_match_vllms_loader_and_log_probs(tmp_path, family, rollout_tp):
     from rlhf_megatron.models.tiny import VLLM_CPU_MLA, make_tiny_moe_model
 

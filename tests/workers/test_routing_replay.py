@@ -1,4 +1,7 @@
-"""Routing replay (R2/R3) on a real megatron-core Qwen3-MoE at expert parallelism 2 (gloo).
+"""Routing replay (R2/R3) on a real megatron-core Qwen3-MoE and DeepSeek-V3 at expert parallelism 2
+(gloo). DeepSeek-V3's router is the other kind megatron-core has: sigmoid scores with the
+score-correction bias in the selection only, group-limited top-k and the routed scaling factor,
+behind multi-latent attention.
 
 One 2-rank process start; each rank has its own left/right-padded rows. The engine records
 the routers' choices in a forward pass (micro-batches of 2, padding trimmed per
@@ -23,11 +26,19 @@ from rlhf_megatron.platform.multiproc import run_on_ranks
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+FAMILIES = {  # family -> (its tiny model's options, (sparse layer, dense layer))
+    "qwen3_moe": (dict(mlp_only_layers=(1,)), (0, 1)),
+    "deepseek_v3": (dict(mlp_only_layers=(0,), groups=(2, 1)), (1, 0)),  # first_k_dense_replace 1
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory):
     from rlhf_megatron.models.tiny import make_tiny_moe_model
 
-    return str(make_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"), "qwen3_moe", mlp_only_layers=(1,)))
+    options, layers = FAMILIES[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    return str(make_tiny_moe_model(out, request.param, **options)), layers
 
 
 def _batch(rank: int):
@@ -64,7 +75,7 @@ def _log_probs(engine, batch, micro_size, keys):
     return torch.cat([o["lp"] for o in out])[torch.argsort(rows)]
 
 
-def _replay_cases(rank, world, model):
+def _replay_cases(rank, world, model, layers):
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
@@ -95,12 +106,13 @@ def _replay_cases(rank, world, model):
     natural = _log_probs(engine, batch, 2, MODEL_KEYS)
     routes = engine.routing.take_recorded(len(batch))
     engine.routing.recording = False
-    sparse = routes[:, :, 0][valid]  # [tokens, k]
+    sparse_layer, dense_layer = layers
+    sparse = routes[:, :, sparse_layer][valid]  # [tokens, k]
     well_formed = bool(
         (sparse >= 0).all()
         and (sparse < experts).all()
         and all(len(set(t.tolist())) == k for t in sparse)
-        and (routes[:, :, 1] == -1).all()  # layer 1 is dense
+        and (routes[:, :, dense_layer] == -1).all()
     )
 
     keys = (*MODEL_KEYS, "routed_experts")
@@ -109,7 +121,7 @@ def _replay_cases(rank, world, model):
     with_altered = batch.union(Batch.from_dict({"routed_experts": altered}))
     with ExpertLoadRecorder(engine.chunks) as load:
         shifted = _log_probs(engine, with_altered, 3, keys)
-    expected_counts = torch.bincount(altered[:, :, 0][valid].flatten().long(), minlength=experts)
+    expected_counts = torch.bincount(altered[:, :, sparse_layer][valid].flatten().long(), minlength=experts)
 
     # Training under the altered routes: the loss is the replayed forward's, the router learns.
     def loss_fn(logits, micro):
@@ -127,7 +139,7 @@ def _replay_cases(rank, world, model):
         "well_formed": well_formed,
         "replay_err": float((replayed - natural)[:, 1:][pair].abs().max()),
         "altered_change": float((shifted - natural)[:, 1:][pair].abs().max()),
-        "counts": load.counts[0].tolist(),
+        "counts": load.counts[sparse_layer].tolist(),
         "expected_counts": expected_counts.tolist(),
         "train_loss": result["metrics"][0]["loss"],
         "replayed_loss": float(-shifted[:, 1:][pair].mean()),
@@ -137,7 +149,7 @@ def _replay_cases(rank, world, model):
 
 
 def test_recorded_routes_replay_exactly_and_altered_routes_are_obeyed(tiny):
-    for rank, r in enumerate(run_on_ranks(_replay_cases, 2, tiny, timeout_s=300)):
+    for rank, r in enumerate(run_on_ranks(_replay_cases, 2, *tiny, timeout_s=300)):
         assert r["well_formed"], (rank, r)
         assert r["replay_err"] < 1e-5, (rank, r)
         assert r["altered_change"] > 1e-3, (rank, r)

@@ -47,7 +47,7 @@ def local_ray():
     ray.shutdown()
 
 
-def _config(model_path, world, **extra):
+def _config(model_path, world, config="quickstart_cpu_tp2", **extra):
     from rlhf_megatron.planning import load_config
 
     overrides = [
@@ -69,7 +69,7 @@ def _config(model_path, world, **extra):
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config("quickstart_cpu_tp2", overrides, validate=False)
+        return load_config(config, overrides, validate=False)
 
 
 def _worker_kwargs(cfg, section: str) -> dict:
@@ -139,8 +139,10 @@ def test_actor_log_probs_match_single_process_and_sync_tracks_updates(local_ray,
         pool.remove()
 
 
-# GLM-4.5 with rollout TP 2; DeepSeek-V3 with rollout TP 1 (vLLM's CPU MLA backend is checked at TP 1).
+# GLM-4.5 with rollout TP 2; DeepSeek-V3 with rollout TP 1, from the MLA quickstart's config
+# (tests/weights/test_moe_sync_cpu.py syncs both at rollout TP 1 and 2).
 MOE_ROLLOUT_TP = {"glm4_moe": 2, "deepseek_v3": 1}
+MOE_CONFIG = {"glm4_moe": "quickstart_cpu_tp2", "deepseek_v3": "quickstart_mla_cpu"}
 
 
 @pytest.mark.parametrize("family", sorted(MOE_ROLLOUT_TP))
@@ -163,11 +165,12 @@ def test_deepseek_moe_actor_at_tp2_ep2_trains_and_syncs(local_ray, tmp_path, fam
         )
     )
     extra = {
+        "model_arch": "null",  # the quickstart's tiny model's keys; this test's model has its own
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 2,
         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": 1,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": MOE_ROLLOUT_TP[family],
     }
-    group, pool = _actor_group(_config(model, 2, **extra), 2, f"moe_{family}")
+    group, pool = _actor_group(_config(model, 2, MOE_CONFIG[family], **extra), 2, f"moe_{family}")
     try:
         # Rollout TP 1 under actor TP 2: the generation's call cannot run the log-prob pass itself.
         _check_generate_update_sync(group, model, fused=MOE_ROLLOUT_TP[family] == 2)
