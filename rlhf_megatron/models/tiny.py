@@ -337,6 +337,21 @@ def make_tiny_moe_model(out_dir: str | Path, family: str = "qwen3_moe", **sizes)
     return out_dir
 
 
+def make_vllm_ready_moe_model(out_dir: str | Path, family: str, **overrides) -> Path:
+    """``make_tiny_moe_model`` of a GLM-4.5 or DeepSeek-V3 that vLLM runs on CPU and TP 2 splits:
+    hidden 256 in 4 heads with 2 KV heads, layer 0 dense, top-k within the best of 2 groups, and
+    for DeepSeek-V3 the MLA sizes vLLM's CPU backend takes (``VLLM_CPU_MLA``)."""
+    sizes = dict(
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_only_layers=(0,),
+        groups=(2, 1),
+        mla=VLLM_CPU_MLA if family == "deepseek_v3" else None,
+    )
+    return make_tiny_moe_model(out_dir, family, **{**sizes, **overrides})
+
+
 def build_tiny_qwen2_5_vl(
     family: str = "qwen2_5_vl",
     num_layers: int = 2,

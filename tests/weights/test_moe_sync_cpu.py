@@ -102,21 +102,10 @@ def test_qwen3_moe_at_ep2_matches_vllms_loader_and_log_probs(tmp_path, rollout_t
 @pytest.mark.parametrize("rollout_tp", [2, 1])
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 def test_deepseek_moe_families_at_tp2_ep2_match_vllms_loader_and_log_probs(tmp_path, family, rollout_tp):
-    from rlhf_megatron.models.tiny import VLLM_CPU_MLA, make_tiny_moe_model
+    from rlhf_megatron.models.tiny import make_vllm_ready_moe_model
 
     mla = family == "deepseek_v3"
-    hf_dir = str(
-        make_tiny_moe_model(
-            tmp_path / family,
-            family,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=2,
-            mlp_only_layers=(0,),
-            groups=(2, 1),
-            mla=VLLM_CPU_MLA if mla else None,
-        )
-    )
+    hf_dir = str(make_vllm_ready_moe_model(tmp_path / family, family))
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
     args = (hf_dir, 2, 1, 2, rollout_tp, prompts, 1, not mla)  # TP2 x EP2, ETP1
     results = run_on_ranks(_moe_conformance, 2, *args, env=ENV, timeout_s=600)

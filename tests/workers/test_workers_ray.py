@@ -149,21 +149,9 @@ MOE_CONFIG = {"glm4_moe": "quickstart_cpu_tp2", "deepseek_v3": "quickstart_mla_c
 def test_deepseek_moe_actor_at_tp2_ep2_trains_and_syncs(local_ray, tmp_path, family):
     """The MoE quickstart's actor layout (TP2 x EP2, experts whole) for GLM-4.5 and DeepSeek-V3:
     the same checks as the dense actor's (transformers, vLLM, an update, a sync, no stale weights)."""
-    from rlhf_megatron.models.tiny import VLLM_CPU_MLA, make_tiny_moe_model
+    from rlhf_megatron.models.tiny import make_vllm_ready_moe_model
 
-    model = str(
-        make_tiny_moe_model(
-            tmp_path / family,
-            family,
-            hidden_size=256,
-            num_heads=4,
-            num_kv_heads=2,
-            mlp_only_layers=(0,),
-            groups=(2, 1),
-            max_position_embeddings=64,
-            mla=VLLM_CPU_MLA if family == "deepseek_v3" else None,
-        )
-    )
+    model = str(make_vllm_ready_moe_model(tmp_path / family, family, max_position_embeddings=64))
     extra = {
         "model_arch": "null",  # the quickstart's tiny model's keys; this test's model has its own
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 2,
