@@ -29,7 +29,6 @@ stores every layer under its own key (``decoder.layers.3.…``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import shutil
@@ -44,6 +43,7 @@ from rlhf_megatron.models.loader import unwrap_model
 from rlhf_megatron.models.mtp import save_mtp_tensors
 from rlhf_megatron.models.parallel_config import ParallelConfig
 from rlhf_megatron.planning.model_arch import ModelArch
+from rlhf_megatron.platform.digests import sha256
 
 __all__ = [
     "CKPT_METADATA_FILE",
@@ -179,18 +179,18 @@ def read_checkpoint_metadata(path: str | Path) -> CheckpointMetadata:
     return CheckpointMetadata.from_json(meta_path.read_text(), str(meta_path))
 
 
-def sha256_of_files(root: Path, exclude: Sequence[str] = (CKPT_METADATA_FILE,)) -> dict[str, str]:
-    """sha256 of every file under ``root`` (relative POSIX path -> digest)."""
+def sha256_of_files(
+    root: Path, exclude: Sequence[str] = (CKPT_METADATA_FILE,), reuse_linked: bool = False
+) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative POSIX path -> digest). ``reuse_linked`` (a
+    save): a hard-linked file's is read once per process (``platform.digests``); verification
+    reads every file."""
     out = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
         if rel in exclude:
             continue
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        out[rel] = h.hexdigest()
+        out[rel] = sha256(path, reuse_linked)
     return out
 
 
@@ -297,7 +297,7 @@ def save_model_checkpoint(
         if hf_dir is not None:
             copy_hf_side_files(Path(hf_dir), ckpt_dir)
             save_mtp_tensors(hf_dir, arch, ckpt_dir, store=mtp_store)  # untrained MTP layers, for the export
-        meta.files = sha256_of_files(ckpt_dir)
+        meta.files = sha256_of_files(ckpt_dir, reuse_linked=True)
         meta.sizes = {rel: (ckpt_dir / rel).stat().st_size for rel in meta.files}
         (ckpt_dir / CKPT_METADATA_FILE).write_text(meta.to_json())
     torch.distributed.barrier()

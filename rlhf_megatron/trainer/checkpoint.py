@@ -22,25 +22,18 @@ sha256 (``sha256``) before any worker reads it, and names the first bad file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from rlhf_megatron.platform.digests import sha256
+
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 VERIFY_MODES = ("sha256", "size", "none")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _files(root: Path) -> list[Path]:
@@ -84,7 +77,10 @@ class CheckpointManager:
         try:
             _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
             manifest = {
-                p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                p.relative_to(tmp).as_posix(): {
+                    "size": p.stat().st_size,
+                    "sha256": sha256(p, reuse_linked=True),
+                }
                 for p in _files(tmp)
             }
             _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
@@ -178,7 +174,7 @@ class CheckpointManager:
                     f"checkpoint file {file} is {size} bytes, the manifest says {entry['size']} "
                     f"(truncated or overwritten); {hint}"
                 )
-            if mode == "sha256" and _sha256(file) != entry["sha256"]:
+            if mode == "sha256" and sha256(file, reuse_linked=False) != entry["sha256"]:
                 raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt); {hint}")
 
     @classmethod
