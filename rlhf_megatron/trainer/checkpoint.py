@@ -6,6 +6,7 @@ Layout (verl's names, so tooling that reads verl runs finds its way):
     <root>/global_step_<k>/critic/...         the same for the critic
     <root>/global_step_<k>/trainer_state.json step, dataloader position, KL controller
     <root>/global_step_<k>/manifest.json      size and sha256 of every other file, written last
+                                              (a model file's as its worker hashed it)
     <root>/latest_checkpointed_iteration.txt  the step of the newest complete checkpoint
 
 A save goes to ``<root>/.global_step_<k>.tmp`` and is renamed into place only
@@ -34,6 +35,35 @@ MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 VERIFY_MODES = ("sha256", "size", "none")
+
+
+MODEL_METADATA_FILE = "rlhf_megatron_ckpt.json"
+"""A model checkpoint's own metadata (``models.checkpoint.CKPT_METADATA_FILE``): the sha256 and size of
+each of its files, which the worker that saved it hashed as it wrote them."""
+
+
+def _worker_digests(tmp: Path) -> dict[str, tuple[int, str]]:
+    """What the workers already hashed: path under ``tmp`` -> (size, sha256), read from each model
+    checkpoint's metadata in ``tmp``. The manifest takes these instead of reading the files again
+    (a save reads the model once, not twice); ``verify`` still reads every file."""
+    known: dict[str, tuple[int, str]] = {}
+    for meta_path in tmp.rglob(MODEL_METADATA_FILE):
+        try:
+            meta = json.loads(meta_path.read_text())
+            files, sizes = dict(meta.get("files") or {}), dict(meta.get("sizes") or {})
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # unreadable: its files are hashed here like any other
+        base = meta_path.parent.relative_to(tmp)
+        for rel, digest in files.items():
+            if rel in sizes and isinstance(digest, str):
+                known[(base / rel).as_posix()] = (sizes[rel], digest)
+    return known
+
+
+def _digest(path: Path, rel: str, size: int, known: dict[str, tuple[int, str]]) -> str:
+    if rel in known and known[rel][0] == size:
+        return known[rel][1]
+    return sha256(path, reuse_linked=True)
 
 
 def _files(root: Path) -> list[Path]:
@@ -76,13 +106,11 @@ class CheckpointManager:
         """Finish a save: trainer state, rename into place, move the marker, prune."""
         try:
             _write_atomic(tmp / STATE_FILE, json.dumps(trainer_state, indent=1, sort_keys=True))
-            manifest = {
-                p.relative_to(tmp).as_posix(): {
-                    "size": p.stat().st_size,
-                    "sha256": sha256(p, reuse_linked=True),
-                }
-                for p in _files(tmp)
-            }
+            known = _worker_digests(tmp)
+            manifest = {}
+            for p in _files(tmp):
+                rel, size = p.relative_to(tmp).as_posix(), p.stat().st_size
+                manifest[rel] = {"size": size, "sha256": _digest(p, rel, size, known)}
             _write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
         except OSError as e:  # ENOSPC and friends: say where, keep the previous checkpoint
             raise CheckpointError(

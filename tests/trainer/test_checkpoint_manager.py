@@ -1,9 +1,11 @@
 """CheckpointManager: atomic commits, markers, pruning and resume resolution (no processes)."""
 
+import hashlib
 import json
 
 import pytest
 
+from rlhf_megatron.trainer import checkpoint
 from rlhf_megatron.trainer.checkpoint import MARKER, CheckpointError, CheckpointManager
 
 
@@ -71,3 +73,39 @@ def test_read_only_root_is_refused(tmp_path):
             CheckpointManager(root).begin(1)
     finally:
         root.chmod(0o700)
+
+
+def test_the_manifest_takes_the_workers_digests_and_verify_still_reads_every_file(tmp_path, monkeypatch):
+    """A model checkpoint's metadata lists the sha256 its worker took while saving: the manifest
+    reuses them (a save reads the model once), except where a file's size no longer matches."""
+    from rlhf_megatron.models.checkpoint import CKPT_METADATA_FILE
+
+    assert checkpoint.MODEL_METADATA_FILE == CKPT_METADATA_FILE
+    mgr = CheckpointManager(tmp_path)
+    tmp = mgr.begin(1)
+    model = tmp / "actor" / "model"
+    model.mkdir(parents=True)
+    (model / "shard.distcp").write_bytes(b"weights" * 100)
+    (model / "changed.bin").write_bytes(b"v2, longer than v1")
+    digests = {
+        n: hashlib.sha256((model / n).read_bytes()).hexdigest() for n in ("shard.distcp", "changed.bin")
+    }
+    meta = {"files": digests, "sizes": {"shard.distcp": 700, "changed.bin": 2}}  # changed.bin: stale size
+    (model / CKPT_METADATA_FILE).write_text(json.dumps(meta))
+    read = []
+    real = checkpoint.sha256
+    monkeypatch.setattr(
+        checkpoint, "sha256", lambda p, reuse_linked: (read.append(p.name), real(p, reuse_linked))[1]
+    )
+    path = mgr.commit(1, tmp, {"global_step": 1})
+    assert "shard.distcp" not in read and {"changed.bin", CKPT_METADATA_FILE, "trainer_state.json"} <= set(
+        read
+    )
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["actor/model/shard.distcp"]["sha256"] == digests["shard.distcp"]
+    CheckpointManager.verify(path, "sha256")
+    read.clear()
+    (path / "actor" / "model" / "shard.distcp").write_bytes(b"garbage" * 100)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="shard.distcp fails its sha256 check"):
+        CheckpointManager.verify(path, "sha256")
+    assert "shard.distcp" in read
