@@ -225,7 +225,6 @@ def parse_chat_request(
         return _error("seed must be an integer", "seed")
 
     overridden: dict[str, Any] = {}
-    values = {}
     for key, lo, hi, default in (
         ("temperature", 0.0, 2.0, defaults.temperature),
         ("top_p", 0.0, 1.0, defaults.top_p),
@@ -235,7 +234,6 @@ def parse_chat_request(
             return bad
         if value is not None and value != default:
             overridden[key] = value
-        values[key] = default
     max_tokens = defaults.max_tokens
     for key in ("max_completion_tokens", "max_tokens"):
         asked = body.get(key)
@@ -259,8 +257,8 @@ def parse_chat_request(
         tools=[dict(t) for t in tools] if tools is not None else None,
         stream=stream,
         include_usage=include_usage,
-        temperature=values["temperature"],
-        top_p=values["top_p"],
+        temperature=defaults.temperature,
+        top_p=defaults.top_p,
         max_tokens=max_tokens,
         stop=stop,
         seed=seed,
@@ -271,21 +269,15 @@ def parse_chat_request(
 def _tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """The reply's content and OpenAI ``tool_calls`` from the model's text (hermes). A malformed
     call block stays out of the content and becomes no call: the agent sees the content alone."""
-    content, calls, _errors = parse_hermes(text)
-    out = []
-    for call in calls:
-        arguments, problem = decode_json(call.arguments)
-        out.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    # Re-serialised when it parses, so an agent's json.loads never fails on it.
-                    "arguments": json.dumps(arguments) if not problem else call.arguments,
-                },
-            }
-        )
+    content, calls, _errors = parse_hermes(text)  # each call's arguments: a JSON object, serialised
+    out = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in calls
+    ]
     return content.strip() if out else content, out
 
 

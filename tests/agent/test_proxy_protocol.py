@@ -21,18 +21,10 @@ from rlhf_megatron.agent.proxy_protocol import (
     parse_chat_request,
     stream_chunks,
 )
+from rlhf_megatron.agent.tools.calculator import CalculatorTool
 
 DEFAULTS = SamplingDefaults(temperature=1.0, top_p=1.0, max_tokens=64)
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = [CalculatorTool.default_tool_schema]  # the built-in calculator, as a client sends it
 
 
 def client_for(reply_text: str, seen: list):

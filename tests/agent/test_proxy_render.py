@@ -10,17 +10,9 @@ from rlhf_megatron.agent.loop import render_turn_ids
 from rlhf_megatron.agent.proxy_protocol import SamplingDefaults, chat_completion, parse_chat_request
 from rlhf_megatron.agent.proxy_records import CallRecord, assemble_samples
 from rlhf_megatron.agent.proxy_render import PromptRenderer, ServedCall
+from rlhf_megatron.agent.tools.calculator import CalculatorTool
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = [CalculatorTool.default_tool_schema]  # the built-in calculator, as a client sends it
 FIRST = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "6*7?"}]
 CALL_TEXT = 'Let me.<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 
