@@ -1,8 +1,9 @@
 """sha256 of checkpoint files, read once per process for the files a run hard-links into every save.
 
 A run's MTP store (``models/mtp.py``) is hard-linked into each checkpoint: DeepSeek-V3's
-next-token-prediction layer is 11B parameters, so hashing it at every save (the model checkpoint's
-metadata, then the trainer's manifest) would read ~22 GB per save for files that never change.
+next-token-prediction layer is 11B parameters, so hashing it for each save's model checkpoint
+metadata (whose digests the trainer's manifest takes) would read ~22 GB per save for files that
+never change.
 ``sha256(path, reuse_linked=True)`` keeps the digest of a file with more than one link by (device,
 inode, size, mtime in ns): a file written again gets a new mtime or inode, so a new key.
 Verification passes ``reuse_linked=False`` and reads every file.

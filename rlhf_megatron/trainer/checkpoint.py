@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlhf_megatron.platform.digests import sha256
+from rlhf_megatron.platform.digests import file_sha256
 
 MARKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -63,7 +63,7 @@ def _worker_digests(tmp: Path) -> dict[str, tuple[int, str]]:
 def _digest(path: Path, rel: str, size: int, known: dict[str, tuple[int, str]]) -> str:
     if rel in known and known[rel][0] == size:
         return known[rel][1]
-    return sha256(path, reuse_linked=True)
+    return file_sha256(path)
 
 
 def _files(root: Path) -> list[Path]:
@@ -202,7 +202,7 @@ class CheckpointManager:
                     f"checkpoint file {file} is {size} bytes, the manifest says {entry['size']} "
                     f"(truncated or overwritten); {hint}"
                 )
-            if mode == "sha256" and sha256(file, reuse_linked=False) != entry["sha256"]:
+            if mode == "sha256" and file_sha256(file) != entry["sha256"]:
                 raise CheckpointError(f"checkpoint file {file} fails its sha256 check (corrupt); {hint}")
 
     @classmethod

@@ -93,10 +93,8 @@ def test_the_manifest_takes_the_workers_digests_and_verify_still_reads_every_fil
     meta = {"files": digests, "sizes": {"shard.distcp": 700, "changed.bin": 2}}  # changed.bin: stale size
     (model / CKPT_METADATA_FILE).write_text(json.dumps(meta))
     read = []
-    real = checkpoint.sha256
-    monkeypatch.setattr(
-        checkpoint, "sha256", lambda p, reuse_linked: (read.append(p.name), real(p, reuse_linked))[1]
-    )
+    real = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda p: (read.append(p.name), real(p))[1])
     path = mgr.commit(1, tmp, {"global_step": 1})
     assert "shard.distcp" not in read and {"changed.bin", CKPT_METADATA_FILE, "trainer_state.json"} <= set(
         read
