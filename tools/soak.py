@@ -8,8 +8,15 @@ The warm-up matters: the workers' RSS climbs fastest over the first steps on the
 (native caches filling as sequence lengths vary; see the Soak section of docs/reliability.md) and levels off.
 The last step is left out too: it includes the final checkpoint save.
 
-    {"steps": ..., "rss_mb_per_step": ..., "total_rss_mb": [first, last],
-     "driver_rss_mb": [first, last], "sync_s_per_step": ..., "ok": true|false, ...}
+    {"steps": ..., "rss_mb_per_step": ..., "rss_mb_per_step_by_half": [a, b],
+     "total_rss_mb": [first, last], "driver_rss_mb": [first, last],
+     "grew_most": [{"cmd": ..., "mb": ...}], "started_in_window": [...], "ended_in_window": [...],
+     "sync_s_per_step": ..., "ok": true|false, ...}
+
+The RSS slope is fitted over the processes alive through the whole window: a process that starts
+inside it (a Ray worker started lazily, a compile worker) is a one-time step, not a leak, and is
+listed in `started_in_window` with its size instead. `grew_most` names the three processes whose
+RSS grew most over the window, so a failing soak says where to look.
 
 Memory figures are MiB. Exit status 1 when the RSS slope exceeds --max-rss-mb-per-step or the
 sync-time slope exceeds --max-sync-slope (seconds per step), 2 when the run itself fails.
@@ -41,20 +48,23 @@ sys.path.insert(0, str(ROOT / "tools"))
 from train_runs import hooks_env, train_command  # noqa: E402
 
 
-def _tree_rss_mb(pid: int) -> tuple[float, float]:
-    """(driver RSS, RSS of every descendant) in MiB."""
+def _tree_rss_mb(pid: int) -> dict[int, tuple[str, float]]:
+    """RSS in MiB of the driver and of every process under it: {pid: (command, MiB)}."""
     try:
-        proc = psutil.Process(pid)
-        driver = proc.memory_info().rss
-        children = 0
-        for child in proc.children(recursive=True):
-            try:
-                children += child.memory_info().rss
-            except psutil.Error:
-                continue
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
     except psutil.Error:
-        return 0.0, 0.0
-    return driver / 2**20, children / 2**20
+        return {}
+    out = {}
+    for proc in procs:
+        try:
+            out[proc.pid] = (
+                " ".join(proc.cmdline())[:80].strip() or proc.name(),
+                proc.memory_info().rss / 2**20,
+            )
+        except psutil.Error:
+            continue
+    return out
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -100,7 +110,7 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
     env = hooks_env({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
-    samples: dict[int, tuple[float, float, float]] = {}
+    samples: dict[int, tuple[dict[int, tuple[str, float]], float]] = {}  # step: (processes, sync s)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + args.timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -114,8 +124,7 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
                 break
             step = record.get("step", 0)
             if step and step not in samples:
-                driver, workers = _tree_rss_mb(proc.pid)
-                samples[step] = (driver, workers, float(record.get("timing_s/sync_weights", 0.0)))
+                samples[step] = (_tree_rss_mb(proc.pid), float(record.get("timing_s/sync_weights", 0.0)))
     timed_out = proc.poll() is None
     if timed_out:
         proc.kill()
@@ -133,9 +142,16 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
         )
         return 2
     steps = sorted(s for s in samples if args.warmup < s < args.steps)
-    total = [samples[s][0] + samples[s][1] for s in steps]
-    sync = [samples[s][2] for s in steps]
-    rss_slope, sync_slope = _slope(steps, total), _slope(steps, sync)
+    first, last = samples[steps[0]][0], samples[steps[-1]][0]
+    total = [sum(rss for _, rss in samples[s][0].values()) for s in steps]
+    # The fit is over the processes alive through the whole window, so a process that starts in it
+    # (a Ray worker started lazily, a compile worker) is a step, not a slope; it is listed instead.
+    kept = set.intersection(*(set(samples[s][0]) for s in steps))
+    steady = [sum(samples[s][0][pid][1] for pid in kept) for s in steps]
+    sync = [samples[s][1] for s in steps]
+    rss_slope, sync_slope = _slope(steps, steady), _slope(steps, sync)
+    half = len(steps) // 2
+    grew = sorted(kept, key=lambda pid: first[pid][1] - last[pid][1])[:3]
     ok = rss_slope <= args.max_rss_mb_per_step and sync_slope <= args.max_sync_slope
     print(
         json.dumps(
@@ -143,8 +159,24 @@ def _soak(args: argparse.Namespace, run_dir: Path) -> int:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "rss_mb_per_step": round(rss_slope, 3),
+                "rss_mb_per_step_by_half": [
+                    round(_slope(steps[:half], steady[:half]), 3),
+                    round(_slope(steps[half:], steady[half:]), 3),
+                ],
                 "total_rss_mb": [round(total[0], 1), round(total[-1], 1)],
-                "driver_rss_mb": [round(samples[steps[0]][0], 1), round(samples[steps[-1]][0], 1)],
+                "driver_rss_mb": [
+                    round(first.get(proc.pid, ("", 0.0))[1], 1),
+                    round(last.get(proc.pid, ("", 0.0))[1], 1),
+                ],
+                "grew_most": [
+                    {"cmd": last[pid][0], "mb": round(last[pid][1] - first[pid][1], 1)} for pid in grew
+                ],
+                "started_in_window": [
+                    {"cmd": cmd, "mb": round(rss, 1)} for pid, (cmd, rss) in last.items() if pid not in first
+                ],
+                "ended_in_window": [
+                    {"cmd": cmd, "mb": round(rss, 1)} for pid, (cmd, rss) in first.items() if pid not in last
+                ],
                 "sync_s_per_step": round(sync_slope, 5),
                 "sync_s": [round(sync[0], 4), round(sync[-1], 4)],
                 "bounds": {

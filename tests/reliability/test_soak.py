@@ -6,10 +6,11 @@ time over steps 16-29. The failing case plants a real leak and a real slowdown w
 ``sync_drift:20``: each sync sleeps 20 ms longer than the one before), so the checks are shown to
 catch what they are for.
 
-So short a run has not finished warming up: its healthy RSS slope measured 0.3 MiB/step on one
-run and 5.8 on another (fresh clone, same machine type). The tests therefore use a 16 MiB/step
-bound, well above that noise and well below the planted 64 MiB/step; the tool's default (5) is
-for real soaks of 60+ steps with a 20-step warm-up.
+So short a run has not finished warming up: its healthy RSS slope measured 0.3-0.4 MiB/step here,
+5.8 in one fresh-clone CI run and 19 in another (same machine type; that report summed every
+process, before the fit left out processes started inside the window). The tests therefore use a
+24 MiB/step bound, above that noise and well below the planted 64 MiB/step; the tool's default (5)
+is for real soaks of 60+ steps with a 20-step warm-up.
 """
 
 import json
@@ -22,7 +23,7 @@ from trainer_helpers import ROOT, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 SOAK = [sys.executable, str(ROOT / "tools" / "soak.py")]
-ARGS = ["--steps", "30", "--warmup", "15", "--max-rss-mb-per-step", "16"]
+ARGS = ["--steps", "30", "--warmup", "15", "--max-rss-mb-per-step", "24"]
 OWN_KEYS = ("trainer.default_local_dir=", "trainer.total_training_steps=")  # set by soak.py itself
 
 
@@ -43,7 +44,7 @@ def _soak(inputs, run_dir, env=None):
 def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
     proc, report = _soak(tiny_run_inputs, tmp_path / "run")
     assert proc.returncode == 0 and report["ok"] is True, report
-    assert report["rss_mb_per_step"] <= report["bounds"]["rss_mb_per_step"] == 16.0
+    assert report["rss_mb_per_step"] <= report["bounds"]["rss_mb_per_step"] == 24.0
     assert report["sync_s_per_step"] <= report["bounds"]["sync_s_per_step"] == 0.01
     assert report["total_rss_mb"][0] > 500, "the workers' memory (models, vLLM) is in the sample"
     steps = [
@@ -58,6 +59,9 @@ def test_soak_catches_a_memory_leak_and_a_slowing_weight_sync(tiny_run_inputs, t
     proc, report = _soak(tiny_run_inputs, tmp_path / "run", env)
     assert proc.returncode == 1 and report["ok"] is False, report
     assert 56 <= report["rss_mb_per_step"] <= 80, report  # 2 workers x 32 MiB = 64 MiB per step
+    assert all(h >= 40 for h in report["rss_mb_per_step_by_half"]), report  # sustained, not a step
+    grown = report["grew_most"][:2]  # the two leaking actor workers, 32 MiB x 13 steps each
+    assert all(p["mb"] >= 350 and p["cmd"].startswith("ray::ActorRolloutRefWorker") for p in grown), report
     assert 0.017 <= report["sync_s_per_step"] <= 0.03, report  # 20 ms per step, plus noise
 
 
