@@ -35,6 +35,10 @@ BASE = [
     "psutil>=5.9",
     "pydantic>=2",  # rlhf_megatron.agent: the OpenAI tool schemas (verl's models)
     "bm25s>=0.2",  # rlhf_megatron.agent.tools.search: BM25 over a local corpus, offline
+    # rlhf_megatron.agent.proxy_server: the OpenAI-compatible endpoint agent programs call
+    # (both also come with vLLM, which serves its own API with them).
+    "starlette>=0.40",
+    "uvicorn>=0.30",
 ]
 
 EXTRAS = {
@@ -55,6 +59,8 @@ EXTRAS = {
         # The LoRA tests check adapters against Hugging Face PEFT's own logits and loader.
         "peft>=0.21,<0.22",
         "py-spy>=0.4",
+        # The agent endpoint's tests call it as agent programs do, through the OpenAI SDK.
+        "openai>=1.50",
         # The documentation site (mkdocs.yml); tests/test_docs.py builds it with --strict.
         "mkdocs==1.6.1",
         "mkdocs-material==9.8.1",

@@ -10,8 +10,8 @@ vLLM). Before adding one, look for a run that already has what the test reads:
   checkpoint after every step, on the shared tiny model and arith data. The uninterrupted run the
   resume and fault tests compare against, and the plain GRPO run the trainer tests check.
 - ``tiny_run_inputs``: the tiny Llama and the arith parquet every trainer run uses.
-- ``tool_run_inputs`` (tests/agent/test_multi_turn_e2e.py): the tool quickstart's policy,
-  pre-trained briefly to call a calculator, and the tool_mult parquet, for multi-turn runs.
+- ``tool_run_inputs``: the tool quickstart's policy, pre-trained briefly to call a calculator,
+  and the tool_mult parquet, for multi-turn runs and the agent endpoint.
 
 Such artefacts are built by ``shared_artifact`` once per ``pytest`` session, whichever xdist
 worker asks first (the others wait on a file lock), and must be treated as read-only: a test that
@@ -40,7 +40,7 @@ import os
 
 import pytest
 from shared_artifacts import WORKER, session_dir
-from trainer_helpers import reference_run, tiny_run_inputs  # noqa: F401  (session fixtures)
+from trainer_helpers import reference_run, tiny_run_inputs, tool_run_inputs  # noqa: F401  (session fixtures)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

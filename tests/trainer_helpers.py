@@ -37,6 +37,28 @@ REFERENCE_STEPS = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
 
 
 @pytest.fixture(scope="session")
+def tool_run_inputs(tmp_path_factory):
+    """The tool quickstart's policy, pre-trained briefly (tool calls in about half the samples),
+    and the tool_mult parquet: shared by the multi-turn runs and the agent endpoint's tests."""
+
+    def build(root: Path) -> dict[str, str]:
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tools/make_tiny_tool_model.py"),
+                *("--out", str(root / "model"), "--data-dir", str(root / "data")),
+                *("--steps", "120", "--eval-every", "1000", "--tool-share", "0.6"),
+                *("--train-size", "64", "--test-size", "8", "--probe-size", "8", "--samples-per-prompt", "2"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return {"model": str(root / "model"), "data": str(root / "data")}
+
+    return shared_artifact(tmp_path_factory, "tool_run_inputs", build)[1]
+
+
+@pytest.fixture(scope="session")
 def tiny_run_inputs(tmp_path_factory):
     def build(root: Path) -> dict[str, str]:
         from rlhf_megatron.models.tiny import make_tiny_hf_model

@@ -334,10 +334,12 @@ def stream_chunks(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     engine_reason: str,
+    completion: Mapping[str, Any] | None = None,
 ) -> Iterator[str]:
     """The reply as server-sent events (``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``): the role,
-    the content, each tool call whole, the finish reason, and the usage when asked."""
-    full = chat_completion(request, text, prompt_ids, output_ids, engine_reason)
+    the content, each tool call whole, the finish reason, and the usage when asked. ``completion``:
+    the ``chat_completion`` of the same reply when already built (its id and tool-call ids are kept)."""
+    full = completion or chat_completion(request, text, prompt_ids, output_ids, engine_reason)
     base = {
         "id": full["id"],
         "object": "chat.completion.chunk",

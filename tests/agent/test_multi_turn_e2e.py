@@ -9,14 +9,11 @@ that it calls the tool in about half its samples."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from shared_artifacts import shared_artifact
-from trainer_helpers import ROOT, run_train, train_overrides
+from trainer_helpers import run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -84,28 +81,6 @@ tools:
             expression: {{type: string, description: "e.g. 37*48"}}
           required: [expression]
 """
-
-
-@pytest.fixture(scope="session")
-def tool_run_inputs(tmp_path_factory):
-    """The tool quickstart's policy, pre-trained briefly (tool calls in about half the samples),
-    and the tool_mult parquet: shared by the runs below."""
-
-    def build(root: Path) -> dict[str, str]:
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "tools/make_tiny_tool_model.py"),
-                *("--out", str(root / "model"), "--data-dir", str(root / "data")),
-                *("--steps", "120", "--eval-every", "1000", "--tool-share", "0.6"),
-                *("--train-size", "64", "--test-size", "8", "--probe-size", "8", "--samples-per-prompt", "2"),
-            ],
-            check=True,
-            capture_output=True,
-        )
-        return {"model": str(root / "model"), "data": str(root / "data")}
-
-    return shared_artifact(tmp_path_factory, "tool_run_inputs", build)[1]
 
 
 def _user_tool(tmp_path: Path) -> tuple[Path, Path]:
