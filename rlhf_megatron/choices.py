@@ -22,6 +22,8 @@ from __future__ import annotations
 from enum import Enum
 
 __all__ = [
+    "AgentAssembly",
+    "AgentFailure",
     "AttentionBackend",
     "CheckpointContent",
     "Choice",
@@ -111,6 +113,20 @@ TruncateSide = _choice(
     ("left", "middle", "right"),
     "``actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side``: which part of an overlong "
     "tool response is kept: its head (left), head and tail (middle) or tail (right).",
+)
+AgentAssembly = _choice(
+    "AgentAssembly",
+    ("merge", "per_call"),
+    "``actor_rollout_ref.rollout.agent.openai_proxy.assembly``: how an agent's calls become samples "
+    "(merge: a call that continues an earlier one in tokens extends its sample; per_call: one sample "
+    "per call).",
+)
+AgentFailure = _choice(
+    "AgentFailure",
+    ("zero", "mask"),
+    "``actor_rollout_ref.rollout.agent.openai_proxy.on_failure``: what an episode whose agent raised or "
+    "timed out counts for (zero: its samples train with reward 0; mask: its prompt's whole group is "
+    "masked out of the loss).",
 )
 LoadFormat = _choice(
     "LoadFormat",

@@ -10,6 +10,7 @@
 #   CONFIG=configs/quickstart_moe_cpu.yaml bash scripts/quickstart.sh   # a tiny Qwen3-MoE at EP=2
 #   CONFIG=configs/quickstart_mla_cpu.yaml bash scripts/quickstart.sh   # a tiny DeepSeek-V3 (MLA) at EP=2
 #   CONFIG=configs/quickstart_tool_cpu.yaml bash scripts/quickstart.sh  # multi-turn: learns to call a tool
+#   CONFIG=configs/quickstart_agent_cpu.yaml bash scripts/quickstart.sh # an OpenAI-SDK agent program
 #   CONFIG=configs/quickstart_lora_cpu.yaml bash scripts/quickstart.sh  # LoRA adapters on a frozen base
 #   bash scripts/quickstart.sh trainer.total_training_steps=5            # extra overrides
 set -euo pipefail
@@ -23,7 +24,7 @@ case "$CONFIG" in
   *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
   *_moe_*) $PY tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model --data-dir outputs/data/arith ;;
   *_mla_*) $PY tools/make_tiny_model.py --arch deepseek_v3 --out outputs/tiny_mla_model --data-dir outputs/data/arith ;;
-  *_tool_*) $PY tools/make_tiny_tool_model.py --out outputs/tiny_tool_model --data-dir outputs/data/tool_mult ;;
+  *_tool_*|*_agent_*) $PY tools/make_tiny_tool_model.py --out outputs/tiny_tool_model --data-dir outputs/data/tool_mult ;;
   *) $PY tools/make_tiny_model.py --out outputs/tiny_model --data-dir outputs/data/arith ;;
 esac
 run_dir=$($PY -m rlhf_megatron.train --config "$CONFIG" --dry-run "$@" 2>/dev/null \

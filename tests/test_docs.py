@@ -155,12 +155,13 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         (("tests/trainer/test_async_e2e.py", '"trainer.rollout_mode": "one_step_off"'),),
         _QUICKSTART_HOW + "; the preset's keys are given as overrides of quickstart_cpu",
     ),
-    # The tool quickstart: tests/agent/test_multi_turn_e2e.py builds the policy with
-    # tools/make_tiny_tool_model.py and trains configs/quickstart_tool_cpu.yaml through the CLI.
+    # The tool quickstart: tests/trainer_helpers.py's tool_run_inputs builds the policy with
+    # tools/make_tiny_tool_model.py and tests/agent/test_multi_turn_e2e.py trains
+    # configs/quickstart_tool_cpu.yaml through the CLI.
     Exercised(
         "CONFIG=configs/quickstart_tool_cpu.yaml bash scripts/quickstart.sh",
         (
-            ("tests/agent/test_multi_turn_e2e.py", "tools/make_tiny_tool_model.py"),
+            ("tests/trainer_helpers.py", "tools/make_tiny_tool_model.py"),
             ("tests/agent/test_multi_turn_e2e.py", '"quickstart_tool_cpu"'),
         ),
         _QUICKSTART_HOW,
@@ -169,6 +170,18 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         "python -m rlhf_megatron.train --config quickstart_tool_cpu",
         (("tests/agent/test_multi_turn_e2e.py", '"quickstart_tool_cpu"'),),
         "a briefly pre-trained tool policy, CPU-sized steps",
+    ),
+    # The agent quickstart: the tool quickstart's policy (tools/make_tiny_tool_model.py, the
+    # session's tool_run_inputs) trained through configs/quickstart_agent_cpu.yaml by
+    # tests/agent/test_agent_e2e.py, its agent the example's file copied outside the project.
+    Exercised(
+        "CONFIG=configs/quickstart_agent_cpu.yaml bash scripts/quickstart.sh",
+        (
+            ("tests/trainer_helpers.py", "tools/make_tiny_tool_model.py"),
+            ("tests/agent/test_agent_e2e.py", '"quickstart_agent_cpu"'),
+        ),
+        _QUICKSTART_HOW
+        + "; the agent is examples/agents/calculator_agent.py with a subclass that fails on odd rows",
     ),
     # The LoRA quickstart: tests/trainer/test_lora_e2e.py trains configs/quickstart_lora_cpu.yaml
     # through the CLI; tests/models/test_convert_lora.py runs the two exports the script ends with.

@@ -235,13 +235,15 @@ async def run_episodes(
     episode_timeout_s: float,
     max_concurrent: int,
     agent_kwargs: Mapping[str, Any] | None = None,
+    seeds: Sequence[int | None] | None = None,
 ) -> list[EpisodeOutcome]:
-    """One episode per row (in row order), each with its own key and ``budget`` response tokens."""
+    """One episode per row (in row order), each with its own key and ``budget`` response tokens
+    (``seeds``: each episode's sampling seed, ``Episode.seed``)."""
     gate = asyncio.Semaphore(max_concurrent)
 
     async def one(row_index: int, row: Mapping[str, Any]) -> EpisodeOutcome:
         async with gate:
-            episode = endpoint.open_episode(row_index, budget)
+            episode = endpoint.open_episode(row_index, budget, None if seeds is None else seeds[row_index])
             started = time.monotonic()
             status, result, error = "ok", None, None
             try:

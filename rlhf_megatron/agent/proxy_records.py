@@ -28,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlhf_megatron.choices import AgentAssembly
+
 __all__ = ["ASSEMBLY_MODES", "CallRecord", "EpisodeSample", "assemble_samples"]
 
-ASSEMBLY_MODES = ("merge", "per_call")
+ASSEMBLY_MODES = AgentAssembly.values()
 """How an episode's calls become samples (``assemble_samples``)."""
 
 MASKED_VERSION = -1

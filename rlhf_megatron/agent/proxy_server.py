@@ -139,6 +139,11 @@ class Episode:
     """The dataset row (or any index the caller gives)."""
     budget_left: int
     """Response tokens the episode may still sample (``data.max_response_length`` in all)."""
+    seed: int | None = None
+    """The rollout's seed for this episode: its k-th call samples with ``seed + k`` whatever the
+    agent sends, so a rollout is a function of (weights, rows, seed). None: the agent's seed."""
+    asked: int = 0
+    """Calls that reached the engine."""
     calls: list[CallRecord] = field(default_factory=list)
     served: list[ServedCall] = field(default_factory=list)
     overridden: Counter = field(default_factory=Counter)
@@ -167,18 +172,21 @@ class ProxyEndpoint:
         defaults: SamplingDefaults,
         max_model_len: int,
         model_name: str = "policy",
+        prompt_limit: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.queue = queue
         self.defaults = defaults
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.prompt_limit = prompt_limit
+        """Most tokens of a prompt that starts a sample (``data.max_prompt_length``); None: no limit."""
         self.renderer = PromptRenderer(tokenizer)
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
 
-    def open_episode(self, row: int, budget: int) -> Episode:
-        episode = Episode(key=f"ep-{secrets.token_urlsafe(24)}", row=row, budget_left=budget)
+    def open_episode(self, row: int, budget: int, seed: int | None = None) -> Episode:
+        episode = Episode(key=f"ep-{secrets.token_urlsafe(24)}", row=row, budget_left=budget, seed=seed)
         with self._lock:
             self._episodes[episode.key] = episode
         return episode
@@ -230,6 +238,15 @@ class ProxyEndpoint:
             return OpenAIError(
                 400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}"[:2000]
             )
+        if how == "rendered" and self.prompt_limit is not None and len(prompt_ids) > self.prompt_limit:
+            return OpenAIError(
+                400,
+                f"this conversation is {len(prompt_ids)} tokens and starts a new sample, whose prompt may be at "
+                f"most {self.prompt_limit} (data.max_prompt_length); a call that continues an earlier reply "
+                "(its messages plus that reply plus tool or user turns) may be longer",
+                param="messages",
+                code="context_length_exceeded",
+            )
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             return OpenAIError(
@@ -240,10 +257,14 @@ class ProxyEndpoint:
                 code="context_length_exceeded",
             )
         max_new = min(request.max_tokens, room)
+        seed = request.seed
+        if episode.seed is not None:
+            if request.seed is not None:
+                episode.overridden["seed"] += 1
+            seed = episode.seed + episode.asked
+        episode.asked += 1
         try:
-            (output_ids, log_probs, reason), version = await self.queue.generate(
-                (prompt_ids, max_new, request.seed)
-            )
+            (output_ids, log_probs, reason), version = await self.queue.generate((prompt_ids, max_new, seed))
         except Exception as exc:  # noqa: BLE001 - the engine's failure, answered as a server error
             return OpenAIError(
                 500, f"the policy's engine failed: {type(exc).__name__}: {exc}"[:2000], "server_error"

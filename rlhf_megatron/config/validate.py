@@ -34,6 +34,7 @@ __all__ = [
     "check_dapo",
     "check_group_estimator_n",
     "check_multi_turn",
+    "check_openai_proxy",
     "check_rollout_correction_engine",
     "check_rollout_placement",
     "run_rules",
@@ -136,6 +137,37 @@ def check_multi_turn(ctx: ValidationContext) -> list[str]:
             "have none; use R2"
         )
     return out + _tool_config_problems(arr.rollout.multi_turn)
+
+
+def check_openai_proxy(ctx: ValidationContext) -> list[str]:
+    """Agent programs through the endpoint run on vLLM from each row's chat messages, whole, with
+    the agents' own rewards; whatever needs one response per sample (partial rollout, replayed
+    routes, DAPO's group filter, ReMax's greedy baseline) or another reward is refused."""
+    run = ctx.run
+    arr = run.actor_rollout_ref
+    proxy = arr.rollout.agent.openai_proxy
+    if not proxy.enabled:
+        return []
+    key, out = f"{ROLLOUT}.agent.openai_proxy", []
+    if arr.rollout.name != "vllm":
+        out.append(
+            f"{key} needs {ROLLOUT}.name=vllm (calls are generated token-in); {ROLLOUT}.name={arr.rollout.name}"
+        )
+    if not run.data.return_raw_chat:
+        out.append(
+            f"{key} needs data.return_raw_chat=true: each agent gets its row's chat messages as `prompt`"
+        )
+    for on, why in (
+        (run.trainer.partial_rollout, "trainer.partial_rollout=true"),
+        (arr.actor.router_replay.mode == "R3", "actor_rollout_ref.actor.router_replay.mode=R3"),
+        (run.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true"),
+        (run.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax"),
+    ):
+        if on:
+            out.append(
+                f"{key} cannot be combined with {why} (each needs one response per sample); turn it off"
+            )
+    return out
 
 
 def _tool_config_problems(multi_turn) -> list[str]:

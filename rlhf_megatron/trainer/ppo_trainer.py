@@ -19,6 +19,7 @@ driver cannot see (``sync/*``, the converter's own phases).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,9 @@ from rlhf_megatron.algorithms import (
 from rlhf_megatron.data.balance import balance_batch
 from rlhf_megatron.data.batch import Batch
 from rlhf_megatron.platform.faults import StopTraining, fault_point
+from rlhf_megatron.rewards.manager import RewardResult, response_lengths
 from rlhf_megatron.rollout.multi_turn import AGENT_COLUMNS
+from rlhf_megatron.rollout.openai_proxy import PROXY_COLUMNS, agent_metrics, pad_rows
 from rlhf_megatron.trainer.dynamic_sampling import DynamicSampler
 from rlhf_megatron.trainer.metrics import (
     StepTimer,
@@ -285,6 +288,11 @@ class PPOTrainer:
         if "agent_num_turns" in batch.tensor_keys:  # a multi-turn rollout: its turns and tool calls
             metrics.update(compute_agent_metrics(batch))
             batch.pop(list(AGENT_COLUMNS), non_tensor_keys=["agent_end"])
+        if "agent_first" in batch.tensor_keys:  # agent episodes: as many rows as their samples
+            metrics.update(agent_metrics(batch))
+            batch, pad = pad_rows(batch, self._agent_row_multiple())
+            metrics["agent/pad_rows"] = float(pad)
+            batch.pop(list(PROXY_COLUMNS), non_tensor_keys=["agent_user_metrics"])
         if "multi_modal_data" in batch.non_tensor_keys:
             # The decoded images were for the rollout engine; the Megatron passes read
             # multi_modal_inputs (pixel values), so stop shipping both to every worker.
@@ -418,9 +426,27 @@ class PPOTrainer:
         scores, metrics, _ = self.score_rows(batch, reward_fn)
         return scores, metrics
 
+    def _agent_row_multiple(self) -> int:
+        """Rows an agent batch must be a multiple of: every trained role's mini-batch (in rows)."""
+        cfg = self.cfg
+        n = cfg.actor_rollout_ref.rollout.n
+        sizes = [cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n]
+        if self.plan.critic:
+            sizes.append(cfg.critic.ppo_mini_batch_size * n)
+        return math.lcm(*sizes, self.actor.dp_size())
+
     def score_rows(self, batch: Batch, reward_fn) -> tuple[torch.Tensor, dict[str, float], dict[str, list]]:
-        """``score`` plus the reward function's per-row extras (``RewardResult.extra``)."""
-        result = reward_fn(batch)
+        """``score`` plus the reward function's per-row extras (``RewardResult.extra``). Agent
+        episodes (``agent_reward``: ``rollout.agent.openai_proxy``) are scored by their agents: the
+        reward goes on each row's last sampled token and the reward function is not called."""
+        if "agent_reward" in batch.tensor_keys:
+            rewards = batch["agent_reward"].float()
+            scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+            last = (response_lengths(batch) - 1).clamp(min=0)
+            scores[torch.arange(len(batch)), last] = rewards
+            result = RewardResult(scores, {"reward/agent_mean": float(rewards.mean())})
+        else:
+            result = reward_fn(batch)
         scores, metrics = result.token_level_scores, dict(result.metrics)
         if self.reward_model is not None:
             rm = self.reward_model.call.compute_rm_score(batch)["rm_scores"]

@@ -148,7 +148,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         arc = self.section
         if arc.hybrid_engine:
             self.rollout_engine = build_engine(arc, self.context, self.rank, self.rollout_tp)
-            self.agent = build_agent(arc, self.rollout_engine)
+            self.agent = build_agent(arc, self.rollout_engine, lambda: self.updates)
         groups = ParallelGroups.current()
         p = self.parallel
         merged = self.actor.lora is not None and arc.lora_sync == "merged"

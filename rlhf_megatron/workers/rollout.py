@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -124,20 +125,30 @@ def _served_lora_rank(section: ActorRolloutRefConfig) -> int | None:
     return lora.rank
 
 
-def build_agent(section: ActorRolloutRefConfig, engine: RolloutEngine):
-    """The multi-turn agent loop of an engine's leader process (``rollout.multi_turn.enable``), else None:
-    the tools run there alone (``rollout/multi_turn.py``)."""
+def build_agent(
+    section: ActorRolloutRefConfig, engine: RolloutEngine, version: Callable[[], int] = lambda: 0
+):
+    """What runs the rollout's agents in an engine's leader process, else None: the multi-turn tool
+    loop (``rollout.multi_turn.enable``; the tools run there alone, ``rollout/multi_turn.py``) or the
+    OpenAI-compatible endpoint and the user's agent (``rollout.agent.openai_proxy``,
+    ``rollout/openai_proxy.py``; ``version``: the engine's weight version, stamped on each call)."""
     rollout = section.rollout
-    if not rollout.multi_turn.enable or not engine.is_leader():
+    proxy = rollout.agent.openai_proxy
+    if not (rollout.multi_turn.enable or proxy.enabled) or not engine.is_leader():
         return None
     from transformers import AutoTokenizer
-
-    from rlhf_megatron.rollout.multi_turn import build_agent_loop
 
     model = section.model
     tokenizer = AutoTokenizer.from_pretrained(
         os.path.expanduser(model.tokenizer_path or model.path), trust_remote_code=model.trust_remote_code
     )
+    if proxy.enabled:
+        from rlhf_megatron.rollout.openai_proxy import ProxyRollout
+
+        max_model_len = getattr(engine, "max_model_len", rollout.prompt_length + rollout.response_length)
+        return ProxyRollout(proxy, tokenizer, max_model_len, rollout.prompt_length, version)
+    from rlhf_megatron.rollout.multi_turn import build_agent_loop
+
     return build_agent_loop(rollout.multi_turn, tokenizer, rollout.response_length)
 
 
@@ -155,7 +166,8 @@ def sample(
     """``n`` responses per prompt from one rollout replica (``val_kwargs`` when ``validate``, one greedy
     sample when ``greedy``). ``seed`` makes the samples a function of (weights, prompts, seed); the
     replicas offset it so their prompts draw distinct streams. With ``rollout.multi_turn.enable``
-    each sample is a multi-turn trajectory (``agent``: this process's loop if it leads the engine)."""
+    each sample is a multi-turn trajectory, and with ``rollout.agent.openai_proxy`` each an agent
+    episode's (``agent``: this process's loop or endpoint if it leads the engine)."""
     if seed is not None:
         seed = seed + replica * len(prompts)
     sampling = RolloutSampling.from_config(section.rollout, validate=validate, greedy=greedy, seed=seed)
@@ -164,6 +176,10 @@ def sample(
         from rlhf_megatron.rollout.multi_turn import generate_multi_turn
 
         out = generate_multi_turn(engine, agent, prompts, sampling, section.rollout.prompt_length)
+    elif section.rollout.agent.openai_proxy.enabled:
+        from rlhf_megatron.rollout.openai_proxy import generate_openai_proxy
+
+        out = generate_openai_proxy(engine, agent, prompts, sampling, section.rollout.prompt_length)
     else:
         out = engine.generate_sequences(prompts, sampling)
     engine.sleep()
@@ -208,7 +224,7 @@ class RolloutWorker(Worker):
 
         setup_platform()
         self.rollout_engine = build_engine(self.section, self.context, self.rank, self.rollout_tp)
-        self.agent = build_agent(self.section, self.rollout_engine)
+        self.agent = build_agent(self.section, self.rollout_engine, lambda: self.version)
 
     def dispatch_info(self, layout: str = "rollout") -> tuple[int, int, bool]:
         """Every layout is the rollout's: replica ``rank // tp`` of ``world // tp``; its TP rank 0 answers."""

@@ -22,6 +22,14 @@ ENUM_CASES = {
     choices.RolloutName: ("actor_rollout_ref.rollout.name", "is not one of: vllm, hf"),
     choices.EngineMode: ("actor_rollout_ref.rollout.mode", "is not one of: sync, async"),
     choices.ToolCallFormat: ("actor_rollout_ref.rollout.multi_turn.format", "is not one of: hermes"),
+    choices.AgentAssembly: (
+        "actor_rollout_ref.rollout.agent.openai_proxy.assembly",
+        "is not one of: merge, per_call",
+    ),
+    choices.AgentFailure: (
+        "actor_rollout_ref.rollout.agent.openai_proxy.on_failure",
+        "is not one of: zero, mask",
+    ),
     choices.TruncateSide: (
         "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side",
         "is not one of: left, middle, right",

@@ -140,9 +140,10 @@ STAGE_OUTPUTS = {"pipeline_cpu/ppo.yaml": "outputs/pipeline/rm_hf"}
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in SEARCHED])
 def test_preset_loads_and_validates_without_warnings(preset, tmp_path, monkeypatch):
-    # A clean clone's working directory: configs/ (paths such as tool configs are relative to
-    # it) and no outputs/ from earlier local runs.
+    # A clean clone's working directory: configs/ and examples/ (paths such as tool configs and
+    # agents are relative to it) and no outputs/ from earlier local runs.
     (tmp_path / "configs").symlink_to(CONFIGS_DIR)
+    (tmp_path / "examples").symlink_to(CONFIGS_DIR.parent / "examples")  # the agent quickstart's agent
     monkeypatch.chdir(tmp_path)
     if preset in STAGE_OUTPUTS:
         with pytest.warns(ArchUnknownWarning, match=STAGE_OUTPUTS[preset]):

@@ -222,6 +222,22 @@ SECTION_CASES = {
             "actor_rollout_ref.rollout.val_kwargs.top_p=1.5 must be in (0, 1]",
         ],
     ),
+    f"{R}.agent.openai_proxy": (
+        [
+            f"{R}.agent.openai_proxy.agent_cls=nowhere/agent.py:A",
+            f"{R}.agent.openai_proxy.command=./my_agent",
+            f"{R}.agent.openai_proxy.max_concurrent=0",
+            f"{R}.agent.openai_proxy.episode_timeout_s=0",
+            f"{R}.agent.openai_proxy.gather_s=-1",
+        ],
+        [
+            "actor_rollout_ref.rollout.agent.openai_proxy: give agent_cls or command, not both",
+            "actor_rollout_ref.rollout.agent.openai_proxy.max_concurrent=0 must be >= 1",
+            "actor_rollout_ref.rollout.agent.openai_proxy.episode_timeout_s=0.0 must be > 0 (seconds)",
+            "actor_rollout_ref.rollout.agent.openai_proxy.gather_s=-1.0 must be >= 0 (seconds)",
+            "agent_cls=nowhere/agent.py:A: no file nowhere/agent.py; write path/to/agent.py:ClassName",
+        ],
+    ),
     f"{R}.multi_turn": (
         [
             f"{R}.multi_turn.max_parallel_calls=0",
@@ -292,6 +308,20 @@ CASES = {
             "actor_rollout_ref.rollout.multi_turn.enable=true needs data.return_raw_chat=true",
             "actor_rollout_ref.rollout.multi_turn.enable=true cannot be combined with trainer.partial_rollout=true",
             "cannot replay vLLM's routes (actor_rollout_ref.actor.router_replay.mode=R3)",
+        ],
+    ),
+    V.check_openai_proxy: (
+        [
+            f"{R}.agent.openai_proxy.agent_cls=my_pkg.Agent",
+            f"{R}.name=hf",
+            "trainer.partial_rollout=true",
+            "algorithm.filter_groups.enable=true",
+        ],
+        [
+            "actor_rollout_ref.rollout.agent.openai_proxy needs actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.agent.openai_proxy needs data.return_raw_chat=true",
+            "cannot be combined with trainer.partial_rollout=true (each needs one response per sample)",
+            "cannot be combined with algorithm.filter_groups.enable=true",
         ],
     ),
     V.check_group_estimator_n: (

@@ -1,0 +1,58 @@
+"""The agent quickstart's config through the real CLI: an agent program written only against the
+``openai`` SDK, in a file outside the project, named by ``agent_cls``, trains the tool quickstart's
+policy with GRPO (actor and vLLM at TP=2, two gloo processes under Ray). Every call goes through
+the endpoint over the policy and is recorded token for token, so the actor's log-probs over the
+merged samples match vLLM's as in the tool loop; an agent that raises on some rows is counted and
+the run goes on.
+"""
+
+import pytest
+from trainer_helpers import ROOT, run_train, train_overrides
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+FLAKY = '''
+
+class FlakyAgent(CalculatorAgent):
+    """The example agent, failing on the odd rows as a buggy agent would."""
+
+    async def run(self, sample, **kwargs):
+        if int(sample["extra_info"]["index"]) % 2 == 1:
+            raise RuntimeError("the agent's own bug")
+        return await super().run(sample, **kwargs)
+'''
+
+
+def test_an_sdk_agent_outside_the_project_trains_and_its_failures_are_counted(tool_run_inputs, tmp_path):
+    agent = tmp_path / "my_agent.py"  # the example agent as a user's own file, plus a flaky subclass
+    agent.write_text((ROOT / "examples/agents/calculator_agent.py").read_text() + FLAKY)
+    proc, records = run_train(
+        "quickstart_agent_cpu",
+        train_overrides(
+            tool_run_inputs,
+            tmp_path / "run",
+            **{
+                "data.max_prompt_length": 40,
+                "data.max_response_length": 32,
+                "actor_rollout_ref.rollout.agent.openai_proxy.agent_cls": f"{agent}:FlakyAgent",
+            },
+        ),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["agent/episodes"] == 32, "8 prompts x rollout.n 4, one episode each"
+        assert r["agent/calls"] >= 1 - r["agent/failed"], "every episode that did not fail called the policy"
+        assert r["agent/timed_out"] == 0 and r["agent/request_errors"] == 0
+        assert r["reward/agent_mean"] == pytest.approx(r["critic/score/mean"], abs=1e-6), (
+            "the agents' rewards"
+        )
+        assert 0 <= r["agent/pad_rows"] < 16, "padded to the mini-batch: 4 prompts x rollout.n 4 rows"
+        assert 0 < r["agent/failed"] < 1, "the odd rows hit the agent's bug, and the run went on"
+    # Token in, token out through the endpoint: the trained ids are vLLM's (the first step samples
+    # with the actor's current weights).
+    assert records[0]["training/rollout_probs_diff_mean"] < 0.005, records[0][
+        "training/rollout_probs_diff_mean"
+    ]
+    assert sum(r["agent/merged"] for r in records) > 0, "a tool call then an answer: one merged sample"
+    assert any(r["response/masked_token_share"] > 0 for r in records), "the tool turns are masked"
