@@ -57,9 +57,13 @@ __all__ = ["Episode", "GenerationQueue", "ProxyEndpoint", "ProxyServer"]
 class GenerationQueue:
     """Turns waiting for the engine, handed between the endpoint's event loop and the engine's thread."""
 
-    def __init__(self, gather_s: float = 0.02, max_batch: int = 256):
+    def __init__(self, gather_s: float = 0.02, max_batch: int = 256, max_wait_s: float = 1.0):
         self.gather_s = gather_s
         self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.expected: Callable[[], int] | None = None
+        """How many turns could be waiting at most (the episodes running); once that many are,
+        the batch goes at once (``ProxyEndpoint`` sets it)."""
         self._cond = threading.Condition()
         self._waiting: list[tuple[TurnRequest, concurrent.futures.Future]] = []
         self._closed = False
@@ -88,10 +92,21 @@ class GenerationQueue:
             if not self._waiting:
                 self._cond.wait(poll_s)
             if self._waiting and not self._closed:
-                # Others sent at nearly the same moment join the batch.
-                deadline = time.monotonic() + self.gather_s
-                while len(self._waiting) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+                # The turns of episodes answered together come back one by one (each agent's
+                # own code runs between): wait while they keep arriving, a pause of gather_s at
+                # most between two, until every running episode waits (nothing more can come)
+                # or max_wait_s has passed.
+                start = time.monotonic()
+                while len(self._waiting) < self.max_batch and not self._closed:
+                    if self.expected is not None and len(self._waiting) >= self.expected():
+                        break
+                    before = len(self._waiting)
+                    left = min(self.gather_s, start + self.max_wait_s - time.monotonic())
+                    if left <= 0:
+                        break
                     self._cond.wait(left)
+                    if len(self._waiting) == before:  # a quiet gap: the wave is in
+                        break
             batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
             return batch
 
@@ -184,12 +199,17 @@ class ProxyEndpoint:
         self.renderer = PromptRenderer(tokenizer)
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
+        queue.expected = self.running
 
     def open_episode(self, row: int, budget: int, seed: int | None = None) -> Episode:
         episode = Episode(key=f"ep-{secrets.token_urlsafe(24)}", row=row, budget_left=budget, seed=seed)
         with self._lock:
             self._episodes[episode.key] = episode
         return episode
+
+    def running(self) -> int:
+        """Episodes open now."""
+        return len(self._episodes)
 
     def close_episode(self, key: str) -> Episode:
         """The episode, no longer served: a later call with its key gets 401."""

@@ -439,7 +439,8 @@ class OpenAIProxyConfig:
     its subprocesses)."""
 
     gather_s: float = 0.02
-    """Seconds the engine waits after a call arrives for others to join its batch."""
+    """Calls join one engine batch while they keep arriving at most this many seconds apart (up to
+    1 s in all); the batch goes at once when every running episode has a call waiting."""
 
     @property
     def enabled(self) -> bool:
