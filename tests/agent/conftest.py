@@ -23,7 +23,7 @@ def serve(tok):
     thread (the rollout's engine thread) until the test ends."""
     running = []
 
-    def start(reply, max_model_len=4096, gather_s=0.05):
+    def start(reply, max_model_len=4096, gather_s=0.2):
         queue = GenerationQueue(gather_s=gather_s)
         engine = Engine(tok, reply)
         stop = threading.Event()

@@ -201,14 +201,13 @@ def test_a_failing_program_is_reported_with_its_stderr_and_a_timed_out_one_is_ki
     hang.write_text(
         f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
     )
-    for script, status, error in (
-        (crash, "failed", "exited with 3; its stderr ends: no API for me"),
-        (garbage, "failed", "last line 'reward: high'"),
-        (hang, "timed_out", "did not finish within 2 s"),
+    for script, status, error, timeout in (
+        (crash, "failed", "exited with 3; its stderr ends: no API for me", 60),
+        (garbage, "failed", "last line 'reward: high'", 60),
+        (hang, "timed_out", "did not finish within 2 s", 2),
     ):
-        (outcome,) = _run(
-            SubprocessAgent([sys.executable, str(script)]), endpoint, server, rows=ROWS[:1], timeout=2
-        )
+        agent = SubprocessAgent([sys.executable, str(script)])
+        (outcome,) = _run(agent, endpoint, server, rows=ROWS[:1], timeout=timeout)
         assert outcome.status == status and error in outcome.error, outcome.error
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 10
