@@ -31,7 +31,7 @@ from rlhf_megatron.data.dataset import left_pad
 from rlhf_megatron.data.rope_index import extend_positions
 from rlhf_megatron.rollout.base import RolloutSampling, prompt_token_lists
 
-__all__ = ["AGENT_COLUMNS", "build_agent_loop", "generate_multi_turn"]
+__all__ = ["AGENT_COLUMNS", "build_agent_loop", "generate_multi_turn", "lay_out_rows"]
 
 AGENT_COLUMNS = (
     "agent_num_turns",
@@ -142,43 +142,75 @@ def _trajectories(agent, prompts: Batch, sampling: RolloutSampling, prompt_lengt
     return out
 
 
-def _assemble(
-    prompts: Batch, trajectories, n: int, prompt_length: int, response_length: int, pad_token_id: int
-) -> Batch:
-    rows = len(trajectories)
-    padded = [left_pad(t.prompt_ids, prompt_length, pad_token_id) for t in trajectories]
-    prompt_ids = torch.stack([p[0] for p in padded])
+def lay_out_rows(
+    expanded: Batch,
+    prompt_ids: list[list[int]],
+    responses: list[tuple[list[int], list[int], list[float]] | None],
+    prompt_length: int,
+    response_length: int,
+    pad_token_id: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rows of turns laid out as a multi-turn batch (the module docstring): each prompt left-padded
+    to ``prompt_length``, each response's ``(ids, response_mask, log_probs)`` (None: no response)
+    cut at ``response_length``, and the other columns of ``expanded`` (one prompt row per row).
+    Returns the tensors and non-tensors; callers add their own columns."""
+    rows = len(prompt_ids)
+    padded = [left_pad(ids, prompt_length, pad_token_id) for ids in prompt_ids]
+    prompts = torch.stack([p[0] for p in padded])
     prompt_mask = torch.stack([p[1] for p in padded])
     prompt_positions = torch.stack([p[2] for p in padded])
-    responses = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
+    out = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
     valid = torch.zeros(rows, response_length, dtype=torch.long)
     mask = torch.zeros(rows, response_length, dtype=torch.long)
     log_probs = torch.zeros(rows, response_length, dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        length = min(len(t.response_ids), response_length)
-        responses[i, :length] = torch.as_tensor(t.response_ids[:length], dtype=torch.long)
+    for i, response in enumerate(responses):
+        if response is None:
+            continue
+        ids, sampled, lps = response
+        length = min(len(ids), response_length)
+        out[i, :length] = torch.as_tensor(ids[:length], dtype=torch.long)
         valid[i, :length] = 1
-        mask[i, :length] = torch.as_tensor(t.response_mask[:length], dtype=torch.long)
-        log_probs[i, :length] = torch.as_tensor(t.log_probs[:length], dtype=torch.float32)
+        mask[i, :length] = torch.as_tensor(sampled[:length], dtype=torch.long)
+        log_probs[i, :length] = torch.as_tensor(lps[:length], dtype=torch.float32)
     tensors: dict[str, torch.Tensor] = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "response_mask": mask,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, valid], dim=1),
-        "position_ids": extend_positions(prompt_positions, response_length),
-        "rollout_log_probs": log_probs,
-        "tool_rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        "agent_num_turns": torch.tensor([t.assistant_turns + t.user_turns for t in trajectories]),
-        "agent_tool_calls": torch.tensor([t.tool_calls for t in trajectories]),
-        "agent_tool_errors": torch.tensor([t.tool_errors for t in trajectories]),
-        "agent_tool_timeouts": torch.tensor([t.tool_timeouts for t in trajectories]),
-        "agent_tool_seconds": torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float32),
+        key: expanded[key]
+        for key in expanded.tensor_keys
+        if key not in ("input_ids", "attention_mask", "position_ids")
     }
-    expanded = prompts.repeat(n, interleave=True)
-    non_tensors: dict[str, Any] = {k: expanded.non_tensors[k] for k in expanded.non_tensor_keys}
+    tensors.update(
+        {
+            "prompts": prompts,
+            "responses": out,
+            "response_mask": mask,
+            "input_ids": torch.cat([prompts, out], dim=1),
+            "attention_mask": torch.cat([prompt_mask, valid], dim=1),
+            "position_ids": extend_positions(prompt_positions, response_length),
+            "rollout_log_probs": log_probs,
+        }
+    )
+    return tensors, {k: expanded.non_tensors[k] for k in expanded.non_tensor_keys}
+
+
+def _assemble(
+    prompts: Batch, trajectories, n: int, prompt_length: int, response_length: int, pad_token_id: int
+) -> Batch:
+    tensors, non_tensors = lay_out_rows(
+        prompts.repeat(n, interleave=True),
+        [t.prompt_ids for t in trajectories],
+        [(t.response_ids, t.response_mask, t.log_probs) for t in trajectories],
+        prompt_length,
+        response_length,
+        pad_token_id,
+    )
+    tensors.update(
+        {
+            "tool_rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            "agent_num_turns": torch.tensor([t.assistant_turns + t.user_turns for t in trajectories]),
+            "agent_tool_calls": torch.tensor([t.tool_calls for t in trajectories]),
+            "agent_tool_errors": torch.tensor([t.tool_errors for t in trajectories]),
+            "agent_tool_timeouts": torch.tensor([t.tool_timeouts for t in trajectories]),
+            "agent_tool_seconds": torch.tensor([t.tool_seconds for t in trajectories], dtype=torch.float32),
+        }
+    )
     non_tensors["agent_end"] = np.array([t.end for t in trajectories], dtype=object)
-    for key in expanded.tensor_keys:
-        if key not in tensors and key not in ("input_ids", "attention_mask", "position_ids"):
-            tensors[key] = expanded[key]
     return Batch(tensors, non_tensors, dict(prompts.meta_info))

@@ -39,9 +39,8 @@ import numpy as np
 import torch
 
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.data.dataset import left_pad
-from rlhf_megatron.data.rope_index import extend_positions
 from rlhf_megatron.rollout.base import RolloutSampling
+from rlhf_megatron.rollout.multi_turn import lay_out_rows
 
 __all__ = [
     "PROXY_COLUMNS",
@@ -101,10 +100,6 @@ class ProxyRollout:
         self.server = ProxyServer(self.endpoint, host=cfg.host)
         self.version = version
         self.tokenizer = tokenizer
-
-    def close(self) -> None:
-        self.server.close()
-        self.queue.close()
 
 
 def _plain(value: Any) -> Any:
@@ -250,56 +245,39 @@ def assemble_proxy_batch(
                 (prompt_row, sample, reward, k == 0, stats if k == 0 else {}, user if k == 0 else None)
             )
 
-    rows = len(samples)
-    padded = []
+    prompt_ids = []
     for prompt_row, sample, *_ in samples:
         if sample is None:  # an episode without a sample: its prompt row, an empty response
             keep = prompts["attention_mask"][prompt_row].bool()
-            padded.append(
-                left_pad(prompts["input_ids"][prompt_row][keep].tolist(), prompt_length, pad_token_id)
-            )
+            prompt_ids.append(prompts["input_ids"][prompt_row][keep].tolist())
         else:
-            padded.append(left_pad(sample.prompt_ids, prompt_length, pad_token_id))
-    prompt_ids = torch.stack([p[0] for p in padded])
-    prompt_mask = torch.stack([p[1] for p in padded])
-    prompt_positions = torch.stack([p[2] for p in padded])
-    responses = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
-    valid = torch.zeros(rows, response_length, dtype=torch.long)
-    mask = torch.zeros(rows, response_length, dtype=torch.long)
-    log_probs = torch.zeros(rows, response_length, dtype=torch.float32)
+            prompt_ids.append(sample.prompt_ids)
+    index = torch.tensor([prompt_row for prompt_row, *_ in samples], dtype=torch.long)
+    tensors, non_tensors = lay_out_rows(
+        prompts[index],
+        prompt_ids,
+        [
+            None if sample is None else (sample.response_ids, sample.response_mask, sample.log_probs)
+            for _, sample, *_ in samples
+        ],
+        prompt_length,
+        response_length,
+        pad_token_id,
+    )
+    rows = len(samples)
     columns = {name: torch.zeros(rows, dtype=torch.float32) for name in PROXY_COLUMNS}
     rewards = torch.zeros(rows, dtype=torch.float32)
     user_metrics = np.empty(rows, dtype=object)
-    for i, (prompt_row, sample, reward, first, stats, user) in enumerate(samples):
+    for i, (prompt_row, _, reward, first, stats, user) in enumerate(samples):
         rewards[i] = reward
         user_metrics[i] = user
         columns["agent_first"][i] = float(first)
         for name, value in stats.items():
             if name in columns:
                 columns[name][i] = float(value)
-        if sample is None:
-            continue
-        length = min(len(sample.response_ids), response_length)
-        responses[i, :length] = torch.as_tensor(sample.response_ids[:length], dtype=torch.long)
-        valid[i, :length] = 1
-        mask[i, :length] = torch.as_tensor(sample.response_mask[:length], dtype=torch.long)
-        log_probs[i, :length] = torch.as_tensor(sample.log_probs[:length], dtype=torch.float32)
         if on_failure == "mask" and prompt_row in failed_groups:
-            mask[i] = 0
-    tensors: dict[str, torch.Tensor] = {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "response_mask": mask,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": torch.cat([prompt_mask, valid], dim=1),
-        "position_ids": extend_positions(prompt_positions, response_length),
-        "rollout_log_probs": log_probs,
-        "agent_reward": rewards,
-        **columns,
-    }
-    index = torch.tensor([prompt_row for prompt_row, *_ in samples], dtype=torch.long)
-    expanded = prompts[index]
-    non_tensors: dict[str, Any] = {k: expanded.non_tensors[k] for k in expanded.non_tensor_keys}
+            tensors["response_mask"][i] = 0
+    tensors.update(agent_reward=rewards, **columns)
     non_tensors["agent_user_metrics"] = user_metrics
     if "uid" in non_tensors:  # an episode's empty row has a group of its own: its reward moves no baseline
         uid = np.array(non_tensors["uid"], dtype=object)
@@ -307,9 +285,6 @@ def assemble_proxy_batch(
             if sample is None:
                 uid[i] = f"{uid[i]}-empty-{i}"
         non_tensors["uid"] = uid
-    for key in expanded.tensor_keys:
-        if key not in tensors and key not in ("input_ids", "attention_mask", "position_ids"):
-            tensors[key] = expanded[key]
     return Batch(tensors, non_tensors, dict(prompts.meta_info))
 
 
