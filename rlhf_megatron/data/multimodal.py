@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # PIL is imported where images are handled: text-only runs do
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "VISUAL_KEYS",
     "concat_vision_inputs",
     "ImageError",
     "VisionProcessor",
@@ -215,13 +216,35 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
     return VisionProcessor(processor, int(image_token_id), merge, model_path)
 
 
+VISUAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+"""A row's ``multi_modal_inputs`` keys, as the model's forward takes them: the images' patches and
+grids, the videos' patches, grids and seconds per temporal patch (Qwen2.5-VL's M-RoPE times)."""
+
+_GRID_OF = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}
+
+
 def concat_vision_inputs(rows) -> dict:
     """Concatenate per-row ``multi_modal_inputs`` (``pixel_values`` [patches, D], ``image_grid_thw``
-    [images, 3]) in row order, the layout a vision tower takes for a group of rows; ``{}`` when
-    none of the rows has an image."""
+    [images, 3]; for videos ``pixel_values_videos``, ``video_grid_thw`` [videos, 3] and
+    ``second_per_grid_ts`` [videos]) in row order, the layout a vision tower takes for a group
+    of rows; a pair is left out when none of the rows has one of its kind, ``{}`` when none has
+    either."""
     import torch
 
-    rows = [r for r in rows if r is not None and r["image_grid_thw"].shape[0] > 0]
-    if not rows:
-        return {}
-    return {key: torch.cat([r[key] for r in rows]) for key in ("pixel_values", "image_grid_thw")}
+    rows = [r for r in rows if r is not None]
+    out = {}
+    for pixels, grid in _GRID_OF.items():
+        having = [r for r in rows if grid in r and r[grid].shape[0] > 0]
+        if not having:
+            continue
+        out[pixels] = torch.cat([r[pixels] for r in having])
+        out[grid] = torch.cat([r[grid] for r in having])
+        if grid == "video_grid_thw" and all("second_per_grid_ts" in r for r in having):
+            out["second_per_grid_ts"] = torch.cat([torch.as_tensor(r["second_per_grid_ts"]) for r in having])
+    return out

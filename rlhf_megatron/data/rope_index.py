@@ -3,13 +3,17 @@
 Text tokens advance all three streams together, one position per token. An image's
 ``t x h x w`` merged patches (``h``, ``w`` counted after ``spatial_merge_size x
 spatial_merge_size`` merging) take positions ``start + (ti, hi, wi)``, and the text after
-it continues at ``start + max(t, h, w)``. This is transformers' ``get_rope_index`` for
-images (the layout the Qwen2-VL processors produce: one run of image-pad tokens per
-image), written against token ids instead of a model object so the dataset can compute
-prompt positions and the trainer can extend them over responses.
+it continues one past the largest of them (``start + max(t, h, w)``). A video is the same
+with its time stream scaled: Qwen2.5-VL places temporal patch ``ti`` at ``int(ti x
+second_per_grid x tokens_per_second)``, so positions follow seconds, not frames. This is
+transformers' ``get_rope_index`` (the layout the Qwen2-VL processors produce: one run of
+pad tokens per image or video), numbered as vLLM numbers it, written against token ids
+instead of a model object so the dataset can compute prompt positions and the trainer can
+extend them over responses.
 
 Shapes: ``input_ids`` / ``attention_mask`` ``[B, S]``; ``image_grid_thw`` ``[N, 3]`` for
-all images of the batch in row order; the result ``[B, 3, S]`` (batch first, like every
+all images of the batch in row order (``video_grid_thw`` ``[V, 3]`` and ``second_per_grid_ts``
+``[V]`` for its videos); the result ``[B, 3, S]`` (batch first, like every
 other ``Batch`` tensor; megatron-core wants ``[3, B, S]``, ``models/forward.py`` transposes).
 Padding positions are 0.
 
@@ -35,58 +39,103 @@ def get_rope_index(
     *,
     image_token_id: int,
     spatial_merge_size: int,
+    video_grid_thw: torch.Tensor | None = None,
+    video_token_id: int | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    tokens_per_second: float | None = None,
 ) -> torch.Tensor:
     """``[B, 3, S]`` M-RoPE positions (see the module docstring).
 
     Every maximal run of ``image_token_id`` among a row's valid tokens is one image and
-    consumes the next row of ``image_grid_thw``. Raises ``ValueError`` naming the row when a
-    run's length does not match its grid, or when images and grids do not pair up.
+    consumes the next row of ``image_grid_thw``; every run of ``video_token_id`` is one video
+    and consumes the next row of ``video_grid_thw``. A video's temporal patch ``k`` sits at
+    ``int(k * second_per_grid_ts[v] * tokens_per_second)`` (Qwen2.5-VL; with
+    ``tokens_per_second`` None, at ``k``: Qwen2-VL). Text after a visual run continues one
+    past the largest position so far, as vLLM and Qwen's reference number it. Raises
+    ``ValueError`` naming the row when a run's length does not match its grid, or when
+    runs and grids do not pair up.
     """
     batch, seq = input_ids.shape
     out = torch.zeros(batch, 3, seq, dtype=torch.long)
-    grids = list(image_grid_thw.tolist()) if image_grid_thw is not None else []
-    next_grid = 0
+    kinds = {image_token_id: _Visuals("image", image_grid_thw, None, None)}
+    if video_token_id is not None:
+        if video_grid_thw is not None and tokens_per_second is not None and second_per_grid_ts is None:
+            raise ValueError("video_grid_thw without second_per_grid_ts: Qwen2.5-VL times its videos by them")
+        kinds[video_token_id] = _Visuals("video", video_grid_thw, second_per_grid_ts, tokens_per_second)
+    elif video_grid_thw is not None and video_grid_thw.shape[0]:
+        raise ValueError("video_grid_thw was given without video_token_id")
     for row in range(batch):
         valid = attention_mask[row].bool()
         ids = input_ids[row][valid].tolist()
         pieces: list[torch.Tensor] = []
         pos, i = 0, 0
         while i < len(ids):
-            j = i
-            is_image = ids[i] == image_token_id
-            while j < len(ids) and (ids[j] == image_token_id) == is_image:
+            j, visual = i + 1, kinds.get(ids[i])
+            # A visual run: the same placeholder repeated; a text run: up to the next placeholder.
+            while j < len(ids) and (ids[j] == ids[i] if visual else ids[j] not in kinds):
                 j += 1
-            if not is_image:
+            if visual is None:
                 pieces.append(torch.arange(pos, pos + j - i).expand(3, -1))
                 pos += j - i
             else:
-                if next_grid >= len(grids):
-                    raise ValueError(
-                        f"row {row}: an image placeholder run of {j - i} tokens has no image_grid_thw entry "
-                        f"({len(grids)} grid(s) for the batch)"
-                    )
-                t, h, w = grids[next_grid]
-                next_grid += 1
-                h, w = h // spatial_merge_size, w // spatial_merge_size
-                if t * h * w != j - i:
-                    raise ValueError(
-                        f"row {row}: an image takes {j - i} placeholder tokens but its image_grid_thw "
-                        f"{[t, h * spatial_merge_size, w * spatial_merge_size]} implies {t * h * w} "
-                        f"(t x h x w / {spatial_merge_size}^2)"
-                    )
-                ti = torch.arange(t).view(-1, 1, 1).expand(t, h, w).flatten()
-                hi = torch.arange(h).view(1, -1, 1).expand(t, h, w).flatten()
-                wi = torch.arange(w).view(1, 1, -1).expand(t, h, w).flatten()
-                pieces.append(torch.stack([ti, hi, wi]) + pos)
-                pos += max(t, h, w)
+                piece = visual.positions(row, j - i, spatial_merge_size) + pos
+                pieces.append(piece)
+                pos = int(piece.max()) + 1
             i = j
         if pieces:
             out[row, :, valid] = torch.cat(pieces, dim=1)
-    if next_grid != len(grids):
-        raise ValueError(
-            f"{len(grids)} image_grid_thw entries but only {next_grid} image placeholder runs in the batch"
-        )
+    for visual in kinds.values():
+        visual.check_all_used()
     return out
+
+
+class _Visuals:
+    """The grids of one kind of visual input (images or videos), handed out run by run."""
+
+    def __init__(self, kind: str, grids, seconds, tokens_per_second):
+        self.kind = kind
+        self.article = "an" if kind == "image" else "a"
+        self.grids = [] if grids is None else grids.tolist()
+        self.seconds = None if seconds is None else [float(s) for s in torch.as_tensor(seconds).flatten()]
+        if self.seconds is not None and len(self.seconds) != len(self.grids):
+            raise ValueError(
+                f"{len(self.seconds)} second_per_grid_ts entries for {len(self.grids)} {kind} grids; "
+                "each video needs one"
+            )
+        self.tokens_per_second = tokens_per_second
+        self.used = 0
+
+    def positions(self, row: int, run: int, merge: int) -> torch.Tensor:
+        """``[3, run]`` positions (from 0) of the next grid, checked against the run's length."""
+        if self.used >= len(self.grids):
+            raise ValueError(
+                f"row {row}: {self.article} {self.kind} placeholder run of {run} tokens has no {self.kind}_grid_thw entry "
+                f"({len(self.grids)} grid(s) for the batch)"
+            )
+        t, h, w = self.grids[self.used]
+        step = 1.0
+        if self.kind == "video" and self.tokens_per_second is not None:
+            step = self.seconds[self.used] * self.tokens_per_second
+        self.used += 1
+        h, w = h // merge, w // merge
+        if t * h * w != run:
+            raise ValueError(
+                f"row {row}: {self.article} {self.kind} takes {run} placeholder tokens "
+                f"but its {self.kind}_grid_thw {[t, h * merge, w * merge]} implies {t * h * w} "
+                f"(t x h x w / {merge}^2)"
+            )
+        times = (torch.arange(t, dtype=torch.float64) * step).long() if step != 1.0 else torch.arange(t)
+        ti = times.view(-1, 1, 1).expand(t, h, w).flatten()
+        hi = torch.arange(h).view(1, -1, 1).expand(t, h, w).flatten()
+        wi = torch.arange(w).view(1, 1, -1).expand(t, h, w).flatten()
+        return torch.stack([ti, hi, wi])
+
+    def check_all_used(self) -> None:
+        if self.used != len(self.grids):
+            raise ValueError(
+                f"{len(self.grids)} {self.kind}_grid_thw entries but only {self.used} {self.kind} placeholder "
+                "runs in the batch"
+            )
 
 
 def extend_positions(prompt_positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -113,13 +113,14 @@ VL_MARKER_TOKENS = ("<think>", "</think>", "\\boxed")
 
 # Qwen2-VL's chat template, reduced to what the tiny models need: string or list content,
 # an image entry becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
-# the pad to the image's token count).
+# the pad to the image's token count), a video entry the same with <|video_pad|>.
 TINY_VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
@@ -173,6 +174,14 @@ def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 
     return Qwen2_5_VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(),  # required by the class; videos are not used
+        # Videos: frames bounded like images; the per-video pixel cap (transformers' coming default).
+        video_processor=Qwen2VLVideoProcessor(
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            patch_size=14,
+            temporal_patch_size=2,
+            merge_size=2,
+            cap_pixels_per_frame=True,
+        ),
         chat_template=TINY_VL_CHAT_TEMPLATE,
     )

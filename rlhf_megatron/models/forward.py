@@ -30,7 +30,8 @@ padding), so padding tokens count neither in the load-balancing loss nor in the
 expert load; and forward-only passes run them in eval mode (``moe.eval_mode``).
 
 Multimodal inputs: ``pixel_values`` ``[num_patches, C·T·P·P]`` and
-``image_grid_thw`` ``[num_images, 3]``, concatenated over the batch's rows in
+``image_grid_thw`` ``[num_images, 3]`` (videos: ``pixel_values_videos``,
+``video_grid_thw`` and ``second_per_grid_ts``), concatenated over the batch's rows in
 row order; ``forward_logits_or_values`` hands each micro-batch its rows' images
 (``multimodal.select_rows``).
 """
@@ -104,6 +105,9 @@ def model_forward(
     *,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One chunk on one micro-batch (inside a megatron ``forward_step_func``).
@@ -111,7 +115,8 @@ def model_forward(
     ``position_ids``: ``[B, S]``, or ``[B, 3, S]`` M-RoPE positions for a
     vision-language chunk (computed from the tokens and grids when None; text
     positions are repeated over the three streams). ``pixel_values`` /
-    ``image_grid_thw``: this micro-batch's images (vision-language only).
+    ``image_grid_thw``: this micro-batch's images (vision-language only);
+    ``pixel_values_videos`` / ``video_grid_thw`` / ``second_per_grid_ts`` its videos.
     ``segment_ids``: ``[B, S]`` of a packed micro-batch (``data.packing``; text only).
 
     Returns what the chunk returns: on the last stage logits ``[B, S, V_pad/tp]``
@@ -123,9 +128,13 @@ def model_forward(
 
     vl = vision_language_model(chunk)
     if vl is None:
-        if pixel_values is not None or (position_ids is not None and position_ids.dim() != 2):
+        if (
+            pixel_values is not None
+            or pixel_values_videos is not None
+            or (position_ids is not None and position_ids.dim() != 2)
+        ):
             raise ValueError(
-                "model_forward: images or [B, 3, S] M-RoPE positions were given to a text-only model"
+                "model_forward: images, videos or [B, 3, S] M-RoPE positions were given to a text-only model"
             )
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
@@ -143,9 +152,27 @@ def model_forward(
             out = chunk(input_ids, position_ids, mask)
         return roll_rows(out, shifts, back=True) if shifts is not None and is_last_stage(chunk) else out
     mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
-    position_ids = _mrope_positions(vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw)
+    videos = dict(video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts)
+    position_ids = _mrope_positions(
+        vl,
+        input_ids,
+        attention_mask,
+        position_ids,
+        pixel_values,
+        image_grid_thw,
+        pixel_values_videos,
+        **videos,
+    )
     pos = position_ids.transpose(0, 1).contiguous()  # (3, B, S), megatron's layout
-    return chunk(input_ids, pos, mask, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+    return chunk(
+        input_ids,
+        pos,
+        mask,
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
+        pixel_values_videos=pixel_values_videos,
+        video_grid_thw=video_grid_thw,
+    )
 
 
 def _causal_shifts(
@@ -181,7 +208,15 @@ def _moe_padding_mask(chunk: torch.nn.Module, attention_mask: torch.Tensor) -> t
 
 
 def _mrope_positions(
-    vl, input_ids, attention_mask, position_ids, pixel_values, image_grid_thw
+    vl,
+    input_ids,
+    attention_mask,
+    position_ids,
+    pixel_values,
+    image_grid_thw,
+    pixel_values_videos=None,
+    video_grid_thw=None,
+    second_per_grid_ts=None,
 ) -> torch.Tensor:
     """``[B, 3, S]`` positions for a vision-language model."""
     if position_ids is None:
@@ -193,12 +228,16 @@ def _mrope_positions(
             image_grid_thw,
             image_token_id=vl.image_token_id,
             spatial_merge_size=vl.spatial_merge_size,
+            video_grid_thw=video_grid_thw,
+            video_token_id=vl.video_token_id,
+            second_per_grid_ts=second_per_grid_ts,
+            tokens_per_second=vl.tokens_per_second,
         )
     if position_ids.dim() == 3:
         return position_ids
-    if pixel_values is not None:
+    if pixel_values is not None or pixel_values_videos is not None:
         raise ValueError(
-            "model_forward: a batch with images needs M-RoPE position_ids [B, 3, S] "
+            "model_forward: a batch with images or videos needs M-RoPE position_ids [B, 3, S] "
             "(data.rope_index.get_rope_index), not [B, S] text positions"
         )
     return position_ids[:, None].expand(-1, 3, -1)  # text only: the three streams coincide
@@ -214,13 +253,17 @@ def forward_logits_or_values(
     micro_batch_size: int | None = None,
     pixel_values: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Forward-only pass over all pipeline stages; the output on the last stage, None elsewhere.
 
     ``input_ids``/``attention_mask``: ``[B, S]`` on every rank of the
     model-parallel group; ``position_ids`` ``[B, S]`` or ``[B, 3, S]`` (M-RoPE).
     ``pixel_values``/``image_grid_thw``: the batch's images, rows in order
-    (vision-language models). Returns, on the last pipeline stage:
+    (vision-language models); ``pixel_values_videos``/``video_grid_thw``/
+    ``second_per_grid_ts`` its videos. Returns, on the last pipeline stage:
 
     - LM head: logits ``[B, S, V_pad / tp]``, this TP rank's vocabulary shard
       (feed it to ``vocab_parallel_log_probs``/``vocab_parallel_entropy``);
@@ -235,11 +278,16 @@ def forward_logits_or_values(
 
     chunks = list(model) if isinstance(model, Sequence) else [model]
     batch, seq = input_ids.shape
-    row_images = _row_images(chunks[0], input_ids, attention_mask, pixel_values, image_grid_thw)
+    visuals = {
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+        "pixel_values_videos": pixel_values_videos,
+        "video_grid_thw": video_grid_thw,
+        "second_per_grid_ts": second_per_grid_ts,
+    }
+    row_images = _row_images(chunks[0], input_ids, visuals)
     if position_ids is None and row_images is not None:
-        position_ids = _mrope_positions(
-            row_images[0], input_ids, attention_mask, None, pixel_values, image_grid_thw
-        )
+        position_ids = _mrope_positions(row_images[0], input_ids, attention_mask, None, **visuals)
     elif position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -256,18 +304,18 @@ def forward_logits_or_values(
     micro = []
     for k in range(0, batch, micro_batch_size):
         rows = range(k, min(k + micro_batch_size, batch))
-        images = (None, None)
-        if row_images is not None:
-            from rlhf_megatron.models.multimodal import select_rows
-
-            images = select_rows(pixel_values, image_grid_thw, row_images[1], rows)
         micro.append(
-            (input_ids[k : rows.stop], attention_mask[k : rows.stop], position_ids[k : rows.stop], *images)
+            (
+                input_ids[k : rows.stop],
+                attention_mask[k : rows.stop],
+                position_ids[k : rows.stop],
+                _select_visuals(visuals, row_images, rows),
+            )
         )
 
     def step(data_iter, chunk):
-        ids, mask, pos, pixels, grids = next(data_iter)
-        out = model_forward(chunk, ids, mask, pos, sliding_window, pixel_values=pixels, image_grid_thw=grids)
+        ids, mask, pos, chosen = next(data_iter)
+        out = model_forward(chunk, ids, mask, pos, sliding_window, **chosen)
         # The schedule hands what the loss function returns to the caller on the last stage.
         return out, lambda output: (output.new_zeros(()), {"output": output.detach()})
 
@@ -290,20 +338,48 @@ def forward_logits_or_values(
     return out.squeeze(-1) if out.shape[-1] == 1 and _is_scalar_head(chunks[-1]) else out
 
 
-def _row_images(chunk, input_ids, attention_mask, pixel_values, image_grid_thw):
-    """For a vision-language model: ``(the model, each row's image range)``, checked; else None."""
+def _row_images(chunk, input_ids, visuals: dict):
+    """For a vision-language model: ``(the model, each row's image range, each row's video range)``,
+    checked; else None."""
     from rlhf_megatron.models.multimodal import check_pixel_values, images_per_row
     from rlhf_megatron.models.vision_language import vision_language_model
 
     vl = vision_language_model(chunk)
     if vl is None:
-        if pixel_values is not None:
-            raise ValueError("forward_logits_or_values: pixel_values were given to a text-only model")
+        if visuals["pixel_values"] is not None or visuals["pixel_values_videos"] is not None:
+            raise ValueError("forward_logits_or_values: images or videos were given to a text-only model")
         return None
-    rows = images_per_row(input_ids, image_grid_thw, vl.image_token_id, vl.spatial_merge_size)
-    if pixel_values is not None:
-        check_pixel_values(pixel_values, image_grid_thw, vl.patch_dim)
-    return vl, rows
+    merge = vl.spatial_merge_size
+    images = images_per_row(input_ids, visuals["image_grid_thw"], vl.image_token_id, merge)
+    if visuals["pixel_values"] is not None:
+        check_pixel_values(visuals["pixel_values"], visuals["image_grid_thw"], vl.patch_dim)
+    videos = None
+    if vl.video_token_id is not None:
+        videos = images_per_row(input_ids, visuals["video_grid_thw"], vl.video_token_id, merge, "video")
+        if visuals["pixel_values_videos"] is not None:
+            check_pixel_values(
+                visuals["pixel_values_videos"], visuals["video_grid_thw"], vl.patch_dim, "video"
+            )
+    return vl, images, videos
+
+
+def _select_visuals(visuals: dict, row_images, rows: range) -> dict:
+    """The images and videos of rows ``rows`` (a micro-batch), as ``model_forward``'s keywords."""
+    if row_images is None:
+        return {}
+    from rlhf_megatron.models.multimodal import select_rows
+
+    _, images, videos = row_images
+    pixels, grids = select_rows(visuals["pixel_values"], visuals["image_grid_thw"], images, rows)
+    chosen = {"pixel_values": pixels, "image_grid_thw": grids}
+    if videos is not None and visuals["video_grid_thw"] is not None:
+        pixels, grids = select_rows(visuals["pixel_values_videos"], visuals["video_grid_thw"], videos, rows)
+        chosen.update(pixel_values_videos=pixels, video_grid_thw=grids)
+        seconds = visuals["second_per_grid_ts"]
+        if seconds is not None and grids is not None:
+            first, end = videos[rows[0]][0], videos[rows[-1]][1]
+            chosen["second_per_grid_ts"] = seconds[first:end]
+    return chosen
 
 
 def _is_scalar_head(chunk: torch.nn.Module) -> bool:

@@ -3,8 +3,8 @@
 ``VisionLanguageModel`` holds ``language_model``, a plain megatron-core
 ``GPTModel`` with M-RoPE, and ``vision_model`` (``vision.py``) on the first
 chunk of the first pipeline stage only. On that chunk it embeds the tokens,
-runs the vision tower on the micro-batch's images, writes the image embeddings
-into the ``image_token_id`` positions (row-major, as HF's ``masked_scatter``)
+runs the vision tower on the micro-batch's images and videos, writes their embeddings
+into the ``image_token_id`` / ``video_token_id`` positions (row-major, as HF's ``masked_scatter``)
 and hands the result to the language model as ``decoder_input``; on every
 other chunk it is the language model.
 
@@ -46,6 +46,8 @@ class VisionLanguageModel(MegatronModule):
         self.language_model = language_model
         self.vision_model = vision_model
         self.image_token_id = arch.image_token_id
+        self.video_token_id = arch.video_token_id
+        self.tokens_per_second = arch.vision.tokens_per_second
         self.spatial_merge_size = arch.vision.spatial_merge_size
         self.patch_dim = arch.vision.patch_dim
         # Read by megatron's schedules and finalize_model_grads (tied embeddings over stages).
@@ -67,44 +69,72 @@ class VisionLanguageModel(MegatronModule):
         attention_mask: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
         **kwargs,
     ):
         """``input_ids`` ``[B, S]``, ``position_ids`` ``[3, B, S]`` (M-RoPE), ``attention_mask``
         ``[B, 1, S, S]`` bool; ``pixel_values`` / ``image_grid_thw``: the micro-batch's images in
-        row order (first stage only). Returns what ``GPTModel`` returns."""
+        row order, ``pixel_values_videos`` / ``video_grid_thw`` its videos (first stage only).
+        Returns what ``GPTModel`` returns."""
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
             raise ValueError(
                 f"position_ids has shape {list(position_ids.shape)}; M-RoPE needs [3, B, S] "
                 "(models.forward.model_forward converts the batch-first [B, 3, S])"
             )
-        decoder_input = self._embed(input_ids, pixel_values, image_grid_thw) if self.pre_process else None
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self._embed(
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+            )
         return self.language_model(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs
         )
 
-    def _embed(self, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
-        """``[S, B, H]`` token embeddings with the images written in (split along S under SP)."""
+    def _embed(
+        self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+    ) -> torch.Tensor:
+        """``[S, B, H]`` token embeddings with the images and videos written in (split along S under SP)."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # (S, B, H), full
-        rows = images_per_row(input_ids, image_grid_thw, self.image_token_id, self.spatial_merge_size)
-        has_images = bool(rows) and rows[-1][1] > 0
-        if pixel_values is not None and pixel_values.shape[0] == 0:
-            pixel_values = None  # an empty image batch is no images
-        if has_images != (pixel_values is not None):
-            raise ValueError(
-                "the micro-batch has image tokens and image_grid_thw but no pixel_values"
-                if has_images
-                else "pixel_values were given but no row has image tokens (and image_grid_thw is empty)"
+        embeddings = self._write_visuals(embeddings, input_ids, pixel_values, image_grid_thw, "image")
+        if self.video_token_id is not None:
+            embeddings = self._write_visuals(
+                embeddings, input_ids, pixel_values_videos, video_grid_thw, "video"
             )
-        if has_images:
-            check_pixel_values(pixel_values, image_grid_thw, self.patch_dim)
-            frozen = not any(p.requires_grad for p in self.vision_model.parameters())
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-                image_embeds = self.vision_model(pixel_values, image_grid_thw)  # (image tokens, H)
-            embeddings = scatter_image_embeddings(embeddings, input_ids, image_embeds, self.image_token_id)
+        elif pixel_values_videos is not None:
+            raise ValueError(
+                "pixel_values_videos were given but the model's config.json names no video_token_id"
+            )
         if self.config.sequence_parallel:
             # The language model was built not to scatter its embeddings; the images had to go in first.
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
         return embeddings
+
+    def _write_visuals(self, embeddings, input_ids, pixels, grids, kind: str) -> torch.Tensor:
+        """``embeddings`` with the vision tower's output for ``pixels`` at the ``kind``'s token."""
+        token = self.image_token_id if kind == "image" else self.video_token_id
+        rows = images_per_row(input_ids, grids, token, self.spatial_merge_size, kind)
+        present = bool(rows) and rows[-1][1] > 0
+        if pixels is not None and pixels.shape[0] == 0:
+            pixels = None  # an empty batch of images (videos) is none
+        names = (
+            ("pixel_values", "image_grid_thw")
+            if kind == "image"
+            else ("pixel_values_videos", "video_grid_thw")
+        )
+        if present != (pixels is not None):
+            raise ValueError(
+                f"the micro-batch has {kind} tokens and {names[1]} but no {names[0]}"
+                if present
+                else f"{names[0]} were given but no row has {kind} tokens (and {names[1]} is empty)"
+            )
+        if not present:
+            return embeddings
+        check_pixel_values(pixels, grids, self.patch_dim, kind)
+        frozen = not any(p.requires_grad for p in self.vision_model.parameters())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            embeds = self.vision_model(pixels, grids)  # (tokens of this kind, H)
+        return scatter_image_embeddings(embeddings, input_ids, embeds, token, kind)
 
 
 def vision_language_model(chunk: torch.nn.Module) -> VisionLanguageModel | None:

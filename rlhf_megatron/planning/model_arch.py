@@ -213,6 +213,9 @@ class VisionArch:
     """SwiGLU with biases (Qwen2.5-VL) or fc1 -> QuickGELU -> fc2 (Qwen2-VL)."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    tokens_per_second: float | None = None
+    """Qwen2.5-VL: M-RoPE time positions per second of video (a video's temporal patch ``k``
+    sits at ``int(k * second_per_grid * tokens_per_second)``); None: one per patch (Qwen2-VL)."""
 
     @property
     def head_dim(self) -> int:
@@ -882,6 +885,7 @@ def _vision_arch(v: dict[str, Any] | None, model_type: str, source: str) -> Visi
             fullatt_block_indexes=tuple(int(b) for b in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
             norm="rmsnorm",
             mlp="swiglu",
+            tokens_per_second=float(v.get("tokens_per_second", 4)),  # transformers' default
             **common,
         )
         if vision.window_tokens < 1:

@@ -38,7 +38,7 @@ from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
 from rlhf_megatron.config.schema_model import LoraConfig
 from rlhf_megatron.data.balance import balance_partitions
 from rlhf_megatron.data.batch import Batch
-from rlhf_megatron.data.multimodal import concat_vision_inputs
+from rlhf_megatron.data.multimodal import VISUAL_KEYS, concat_vision_inputs
 from rlhf_megatron.data.packing import pack_shared_prompts, packed_outputs
 from rlhf_megatron.models.forward import model_forward
 from rlhf_megatron.models.moe import aux_losses, clear_aux_losses, eval_mode, expert_bias_update_kwargs
@@ -70,9 +70,10 @@ def split_micro_batches(
     With ``max_tokens``, rows are packed by their real lengths (attention-mask
     sums) into as few micro-batches as fit the budget, balanced by
     Karmarkar-Karp, with row order kept inside each micro-batch. Every
-    micro-batch carries ``_rows`` (its row indices) and ``_weight``; with images
+    micro-batch carries ``_rows`` (its row indices) and ``_weight``; with images or videos
     (a ``multi_modal_inputs`` column), also its rows' ``pixel_values`` and
-    ``image_grid_thw``, concatenated in row order.
+    ``image_grid_thw`` (``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``),
+    concatenated in row order.
     """
     n = len(batch)
     if max_tokens:
@@ -476,7 +477,7 @@ class MegatronEngine:
 
         def step(data_iter, chunk):
             micro = next(data_iter)
-            extra = {k: micro[k] for k in ("pixel_values", "image_grid_thw", "segment_ids") if k in micro}
+            extra = {k: micro[k] for k in (*VISUAL_KEYS, "segment_ids") if k in micro}
             if self.routing is not None:
                 self.routing.before_forward(chunk, micro)
             output = model_forward(

@@ -8,9 +8,11 @@ import torch
 from rlhf_megatron.data.rope_index import extend_positions, get_rope_index, image_token_counts
 
 IMAGE = 7
+VIDEO = 8
+TOKENS_PER_SECOND = 2
 
 
-def _hf_rope_index(input_ids, attention_mask, grid):
+def _hf_rope_index(input_ids, attention_mask, grid, video_grid=None, seconds=None):
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
@@ -30,12 +32,21 @@ def _hf_rope_index(input_ids, attention_mask, grid):
             "num_heads": 1,
             "intermediate_size": 32,
             "out_hidden_size": 64,
+            "tokens_per_second": TOKENS_PER_SECOND,
         },
         image_token_id=IMAGE,
+        video_token_id=VIDEO,
     )
     model = Qwen2_5_VLModel(config)
-    types = (input_ids == IMAGE).int()
-    pos, _ = model.get_rope_index(input_ids, types, image_grid_thw=grid, attention_mask=attention_mask)
+    types = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+    pos, _ = model.get_rope_index(
+        input_ids,
+        types,
+        image_grid_thw=grid,
+        video_grid_thw=video_grid,
+        second_per_grid_ts=seconds,
+        attention_mask=attention_mask,
+    )
     return pos.permute(1, 0, 2)  # (3, B, S) -> (B, 3, S)
 
 
@@ -99,3 +110,73 @@ def test_extend_positions_continues_every_stream_like_the_full_sequence():
     assert torch.equal(extend_positions(p, 3), f)
     flat = torch.tensor([[0, 0, 1, 2]])
     assert extend_positions(flat, 2).tolist() == [[0, 0, 1, 2, 3, 4]]
+
+
+VIDEO_KW = dict(
+    image_token_id=IMAGE, spatial_merge_size=2, video_token_id=VIDEO, tokens_per_second=TOKENS_PER_SECOND
+)
+
+
+def test_a_video_between_images_matches_transformers_when_its_times_stay_inside_its_frame():
+    # Half a second per temporal patch at 2 tokens per second: one time position per patch.
+    # Here transformers and vLLM number alike (the last time position is below the frame's side).
+    ids = [1, IMAGE, IMAGE, 2, 3] + [VIDEO] * (2 * 4 * 4 // 4) + [2, 4, 4]
+    input_ids, mask = torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
+    grid, video_grid, seconds = torch.tensor([[1, 2, 4]]), torch.tensor([[2, 4, 4]]), torch.tensor([0.5])
+    ours = get_rope_index(
+        input_ids, mask, grid, video_grid_thw=video_grid, second_per_grid_ts=seconds, **VIDEO_KW
+    )
+    assert torch.equal(ours, _hf_rope_index(input_ids, mask, grid, video_grid, seconds))
+    video = ours[0, :, 5:13]
+    assert video[0].unique().tolist() == [5, 6]  # starts at 5: 4 tokens and a 1 x 2 image before it
+    assert ours[0, :, 13].tolist() == [7, 7, 7]
+
+
+def test_video_times_follow_seconds_and_the_text_after_continues_past_the_last_time():
+    # Two seconds per temporal patch x 2 tokens per second: patches at +0, +4, +8 (vLLM's and
+    # Qwen's numbering: the text after goes on from the largest position, here a time).
+    ids = [1] + [VIDEO] * (3 * 2 * 2 // 4) + [2, 3]
+    mask = torch.ones(1, len(ids), dtype=torch.long)
+    pos = get_rope_index(
+        torch.tensor([ids]),
+        mask,
+        None,
+        video_grid_thw=torch.tensor([[3, 2, 2]]),
+        second_per_grid_ts=torch.tensor([2.0]),
+        **VIDEO_KW,
+    )[0]
+    assert pos[0].tolist() == [0, 1, 5, 9, 10, 11]
+    assert pos[1].tolist() == pos[2].tolist() == [0, 1, 1, 1, 10, 11]
+    # Qwen2-VL (no tokens_per_second): one time position per temporal patch.
+    plain = {**VIDEO_KW, "tokens_per_second": None}
+    pos = get_rope_index(torch.tensor([ids]), mask, None, video_grid_thw=torch.tensor([[3, 2, 2]]), **plain)[
+        0
+    ]
+    assert pos[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_videos_that_do_not_pair_with_their_grids_name_the_row():
+    ids = torch.tensor([[1, VIDEO, VIDEO, 2]])
+    mask = torch.ones_like(ids)
+    with pytest.raises(ValueError, match="row 0: a video placeholder run of 2 tokens has no video_grid_thw"):
+        get_rope_index(ids, mask, None, **VIDEO_KW)
+    with pytest.raises(ValueError, match=r"row 0: a video takes 2 placeholder tokens but .* implies 4"):
+        get_rope_index(
+            ids,
+            mask,
+            None,
+            video_grid_thw=torch.tensor([[4, 2, 2]]),
+            second_per_grid_ts=torch.ones(1),
+            **VIDEO_KW,
+        )
+    with pytest.raises(ValueError, match="2 second_per_grid_ts entries for 1 video grids"):
+        get_rope_index(
+            ids,
+            mask,
+            None,
+            video_grid_thw=torch.tensor([[2, 2, 2]]),
+            second_per_grid_ts=torch.ones(2),
+            **VIDEO_KW,
+        )
+    with pytest.raises(ValueError, match="without second_per_grid_ts"):
+        get_rope_index(ids, mask, None, video_grid_thw=torch.tensor([[2, 2, 2]]), **VIDEO_KW)

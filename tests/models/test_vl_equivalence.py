@@ -35,8 +35,12 @@ GRAD_PARAMS = (
 )
 
 
+VISUALS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
 def _images(batch):
-    return {"pixel_values": batch["pixel_values"], "image_grid_thw": batch["image_grid_thw"]}
+    """The batch's images (and videos, with their seconds per temporal patch) as keywords."""
+    return {k: batch[k] for k in VISUALS if k in batch}
 
 
 def _forward_cases(cases):
@@ -284,6 +288,7 @@ def results(tmp_path_factory):
     batch = tiny_vl.image_batch(q25)
     q25_model = tiny_vl.load_hf(q25)
     ref = tiny_vl.hf_logits(q25_model, batch)
+    video = tiny_vl.video_batch(q25)
     # transformers-5 names (model.visual.*, model.language_model.*) load the same weights.
     alias = _renamed_checkpoint(q25, root / "q25-model-prefix")
     cases = [
@@ -316,6 +321,21 @@ def results(tmp_path_factory):
             "batch": batch,
             "ref": tiny_vl.hf_logits(tiny_vl.load_hf(q2), batch),
             "layouts": [(1, 1, None), (2, 2, 1)],
+        },
+        {
+            "name": "qwen2_5_vl-video",
+            "hf_dir": str(q25),
+            "batch": video,
+            "ref": tiny_vl.hf_logits(q25_model, video),
+            "layouts": [(1, 1, None), (2, 2, 1)],
+        },
+        {
+            "name": "qwen2_5_vl-video-own-positions",
+            "hf_dir": str(q25),
+            "batch": video,
+            "ref": tiny_vl.hf_logits(q25_model, video),
+            "positions": False,
+            "layouts": [(2, 1, 2)],
         },
         {
             "name": "qwen2_5_vl-critic",
@@ -402,6 +422,21 @@ def test_qwen2_5_vl_logits_match_transformers_at_tp1_tp2_and_tp2pp2(results):
     vocab = 256 // 2  # 119 tokens padded to 256 at TP=2: each rank its half
     assert {r["shape"] for r in by_layout[(2, 2, 1)]} == {(4, results["batch"]["input_ids"].shape[1], vocab)}
     assert set(_errors(results, "qwen2_5_vl-own-positions")) == {(1, 2, None)}
+
+
+@pytest.mark.slow
+def test_video_rows_match_transformers_with_their_clips_split_across_micro_batches(results):
+    # A 4-frame clip (2 temporal patches a second apart), an image, an image before a one-frame
+    # clip, text: at TP1, at TP2 x PP2 one row per micro-batch, and at TP2 two rows per micro-batch
+    # with the positions computed inside from the grids and seconds (Qwen2.5-VL's timed M-RoPE).
+    assert set(_errors(results, "qwen2_5_vl-video")) == {(1, 1, None), (2, 2, 1)}
+    assert set(_errors(results, "qwen2_5_vl-video-own-positions")) == {(2, 1, 2)}
+    rel = [
+        r["rel_err"]
+        for r in results["forward"]
+        if r["name"].startswith("qwen2_5_vl-video") and "rel_err" in r
+    ]
+    assert rel and max(rel) <= REL_TOL
 
 
 @pytest.mark.slow

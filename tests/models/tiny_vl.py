@@ -3,7 +3,8 @@
 The batch is what RL prompts look like: four chat prompts, left-padded: two with one image
 each, of different sizes (grids (1, 6, 4) and (1, 8, 6) patches: 6 and 12 image tokens;
 the second spans 4 windows of Qwen2.5-VL's windowed block), one text only, and one with two
-images.
+images. The video batch has a 4-frame clip, an image, an image before a one-frame clip, and
+text only.
 """
 
 from __future__ import annotations
@@ -62,6 +63,57 @@ def image_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
     return batch
 
 
+VIDEO_MESSAGES = [
+    [{"role": "user", "content": [{"type": "video"}] + _text("Which way?")}],
+    [{"role": "user", "content": _text("Look:") + _image(1)}],
+    [{"role": "user", "content": _image(1) + _text("then") + [{"type": "video"}]}],
+    [{"role": "user", "content": "hi"}],
+]
+# (frames, height, width) in order of appearance: grids (2, 4, 6) and (1, 4, 4) (one frame, padded).
+VIDEO_SHAPES = [(4, 56, 84), (1, 56, 56)]
+VIDEO_FPS = [2.0, 0.5]  # seconds per temporal patch: 1 and 4
+
+
+def video_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """``image_batch`` for ``VIDEO_MESSAGES``: rows with a video, an image, both, neither; adds
+    ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` (2 / fps)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from rlhf_megatron.planning.model_arch import ModelArch
+
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    processor.tokenizer.padding_side = "left"
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
+    videos = [rng.integers(0, 255, shape + (3,), dtype=np.uint8) for shape in VIDEO_SHAPES]
+    texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in VIDEO_MESSAGES]
+    enc = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
+    keys = (
+        "input_ids",
+        "attention_mask",
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+    )
+    batch = {k: enc[k] for k in keys}
+    batch["second_per_grid_ts"] = torch.tensor([2.0 / fps for fps in VIDEO_FPS])
+    arch = ModelArch.from_hf_dir(hf_dir)
+    batch["position_ids"] = get_rope_index(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["image_grid_thw"],
+        image_token_id=arch.image_token_id,
+        spatial_merge_size=arch.vision.spatial_merge_size,
+        video_grid_thw=batch["video_grid_thw"],
+        video_token_id=arch.video_token_id,
+        second_per_grid_ts=batch["second_per_grid_ts"],
+        tokens_per_second=arch.vision.tokens_per_second,
+    )
+    return batch
+
+
 def load_hf(hf_dir: Path):
     from transformers import AutoModelForImageTextToText
 
@@ -72,12 +124,18 @@ def load_hf(hf_dir: Path):
 
 def hf_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """transformers' logits ``[B, S, V]``, with the batch's M-RoPE positions (HF's own ``[3, B, S]``)."""
+    visuals = (
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "second_per_grid_ts",
+    )
     with torch.no_grad():
         return model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            pixel_values=batch["pixel_values"],
-            image_grid_thw=batch["image_grid_thw"],
+            **{k: batch[k] for k in visuals if k in batch},
             position_ids=batch["position_ids"].transpose(0, 1),
         ).logits.float()
 
