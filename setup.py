@@ -31,6 +31,7 @@ BASE = [
     "tensordict>=0.8",
     "math-verify>=0.7",
     "pillow>=10",
+    "av>=12",  # rlhf_megatron.data.video: decodes the videos of vision-language rows (PyAV's FFmpeg)
     "packaging>=24.2",
     "psutil>=5.9",
     "pydantic>=2",  # rlhf_megatron.agent: the OpenAI tool schemas (verl's models)
