@@ -48,6 +48,8 @@ EASYR1_DEFAULTS: dict[str, Any] = {
     "data.prompt_key": "prompt",
     "data.answer_key": "answer",
     "data.image_key": "images",
+    "data.video_key": "videos",
+    "data.video_fps": 2.0,
     "data.max_prompt_length": 512,
     "data.max_response_length": 512,
     "data.rollout_batch_size": 512,
@@ -189,6 +191,8 @@ RULES: dict[str, Rule] = {
     "data.prompt_key": _rule("data.prompt_key"),
     "data.answer_key": _rule("data.answer_key"),
     "data.image_key": _rule("data.image_key"),
+    "data.video_key": _rule("data.video_key"),
+    "data.video_fps": _rule("data.video_fps"),
     "data.max_prompt_length": _rule("data.max_prompt_length"),
     "data.max_response_length": _rule("data.max_response_length"),
     "data.rollout_batch_size": _rule("data.train_batch_size"),
@@ -334,8 +338,6 @@ IGNORED: tuple[Ignored, ...] = (
         "keyword arguments of reward functions are not supported",
         ({},),
     ),
-    Ignored("data.video_key", "videos are not supported"),
-    Ignored("data.video_fps", "videos are not supported"),
     Ignored(
         "data.image_dir", "image paths are read as given (absolute, or relative to the data file)", (None,)
     ),

@@ -221,7 +221,6 @@ IGNORED_KEYS: tuple[IgnoredKey, ...] = (
     IgnoredKey("actor_rollout_ref.ref.profile", "verl's profiler hooks"),
     IgnoredKey("critic.rollout_n", "derived from actor_rollout_ref.rollout.n"),
     IgnoredKey("critic.kl_ctrl", "unused in verl as well; algorithm.kl_ctrl is the controller"),
-    IgnoredKey("data.video_key", "videos are not supported (images are: data.image_key)"),
     IgnoredKey(
         "trainer.default_hdfs_dir", "HDFS upload is not supported; checkpoints stay in default_local_dir"
     ),

@@ -130,6 +130,20 @@ class DataConfig:
     file paths or PIL images); each goes where an ``<image>`` placeholder is in the prompt text.
     Needs a vision-language model."""
 
+    video_key: str = "videos"
+    """Column holding each row's list of videos (EasyR1's and verl's ``videos``): each a file path,
+    the file's bytes (``{"bytes": ...}``), verl's ``{"video": ..., "fps": ..., "nframes": ...}``, or a
+    list of frames; each goes where a ``<video>`` placeholder is in the prompt text. Decoded with
+    PyAV. Needs a vision-language model."""
+
+    video_fps: float = 2.0
+    """Frames per second sampled from video files (EasyR1's ``data.video_fps``); a video given as
+    a frame list is taken as sampled at this rate. Qwen2.5-VL times its M-RoPE positions by it."""
+
+    video_max_frames: int = 768
+    """Most frames sampled from one video (qwen-vl-utils' ``FPS_MAX_FRAMES``); a longer clip is
+    sampled more sparsely, a frame list longer than this is refused."""
+
     format_prompt: str | None = None
     """EasyR1's layout: a Jinja template file rendered with ``content=<prompt text>`` to build
     the user message (EasyR1's ``examples/format_prompt/*.jinja``); null uses the text as is."""
@@ -138,12 +152,12 @@ class DataConfig:
     """A system message put before every prompt that has none (EasyR1's ``data.system_prompt``)."""
 
     min_pixels: int | None = 262144
-    """Images with fewer pixels are scaled up to this many before the processor sees them
-    (EasyR1's bound); null: no lower bound."""
+    """Images (and video frames) with fewer pixels are scaled up to this many before the processor
+    sees them (EasyR1's bound); null: no lower bound."""
 
     max_pixels: int | None = 4194304
-    """Images with more pixels are scaled down to this many before the processor sees them
-    (EasyR1's bound); null: no upper bound."""
+    """Images (and video frames) with more pixels are scaled down to this many before the
+    processor sees them (EasyR1's bound); null: no upper bound."""
 
     reward_fn_key: str = "data_source"
     """Column whose value selects the reward function for a row."""

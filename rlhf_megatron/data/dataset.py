@@ -81,6 +81,14 @@ from rlhf_megatron.data.prompts import (
 )
 from rlhf_megatron.data.rope_index import get_rope_index
 from rlhf_megatron.data.sources import SourceTable, load_source
+from rlhf_megatron.data.video import (
+    FRAME_FACTOR,
+    VIDEO_PLACEHOLDER,
+    Video,
+    VideoError,
+    load_video,
+    video_list,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +145,14 @@ def _check_config(config: DataConfig, limit_images: int) -> None:
     if limit_images < 0:
         raise ValueError(
             f"actor_rollout_ref.rollout.limit_images must be >= 0 (0: no limit), got {limit_images}."
+        )
+    if not float(config.video_fps) > 0:
+        raise ValueError(
+            f"data.video_fps must be positive (frames sampled per second), got {config.video_fps}."
+        )
+    if int(config.video_max_frames) < FRAME_FACTOR:
+        raise ValueError(
+            f"data.video_max_frames must be at least {FRAME_FACTOR} (one temporal patch), got {config.video_max_frames}."
         )
 
 
@@ -307,6 +323,17 @@ class RLHFDataset(torch.utils.data.Dataset):
                     "or set data.format_prompt=null."
                 )
             layout = "verl"
+        videos = cfg.video_key in names and _image_count(table.column(cfg.video_key))
+        if videos and (self.vision is None or self.vision.video_token_id is None):
+            raise ValueError(
+                f"{path}: column '{cfg.video_key}' (data.video_key) holds videos, but "
+                + (
+                    "the dataset was given no vision processor: the model is text-only. Use a "
+                    "vision-language model (Qwen2-VL, Qwen2.5-VL) or drop the videos."
+                    if self.vision is None
+                    else f"the processor of {self.vision.model_path} takes no videos."
+                )
+            )
         if cfg.image_key in names and self.vision is None and _image_count(table.column(cfg.image_key)):
             raise ValueError(
                 f"{path}: column '{cfg.image_key}' (data.image_key) holds images, but the dataset was given no "
@@ -320,10 +347,10 @@ class RLHFDataset(torch.utils.data.Dataset):
         file_idx = int(np.searchsorted(self._offsets, global_row, side="right")) - 1
         return file_idx, int(global_row - self._offsets[file_idx])
 
-    def _render(self, messages: list[dict], with_images: bool) -> str:
-        if with_images:  # the processor's template places the image tokens (EasyR1 does the same)
+    def _render(self, messages: list[dict], with_images: bool, videos: bool = False) -> str:
+        if with_images or videos:  # the processor's template places the pad tokens (EasyR1 does the same)
             return self.vision.processor.apply_chat_template(
-                with_image_parts(messages), add_generation_prompt=True, tokenize=False
+                with_image_parts(messages, videos), add_generation_prompt=True, tokenize=False
             )
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -355,6 +382,41 @@ class RLHFDataset(torch.utils.data.Dataset):
             )
         return images
 
+    def _video_values(self, file_idx: int, row: int, messages: list[dict], cell: Any) -> list:
+        """The row's raw videos, checked against its ``<video>`` placeholders."""
+        if self.config.video_key not in self._tables[file_idx].column_names:
+            return []
+        path, videos = self.files[file_idx], video_list(cell)
+        placeholders = count_placeholders(messages, VIDEO_PLACEHOLDER)
+        if placeholders != len(videos):
+            raise DatasetFormatError(
+                f"{path} row {row}: {len(videos)} video(s) in '{self.config.video_key}' but {placeholders} "
+                f"'{VIDEO_PLACEHOLDER}' placeholder(s) in the prompt text; put one {VIDEO_PLACEHOLDER} where each "
+                "video goes (in order), or fix the videos list."
+            )
+        return videos
+
+    def _prepare_videos(self, file_idx: int, row: int, values: list) -> list[Video]:
+        base_dir, cfg = self._sources[file_idx].base_dir, self.config
+        videos = []
+        for i, value in enumerate(values):
+            try:
+                videos.append(
+                    load_video(
+                        value,
+                        fps=cfg.video_fps,
+                        min_pixels=cfg.min_pixels,
+                        max_pixels=cfg.max_pixels,
+                        max_frames=cfg.video_max_frames,
+                        base_dir=base_dir,
+                    )
+                )
+            except VideoError as err:
+                raise DatasetFormatError(
+                    f"{self.files[file_idx]} row {row}: '{cfg.video_key}'[{i}]: {err}. Fix or drop the video."
+                ) from err
+        return videos
+
     def _prepare_images(self, file_idx: int, row: int, values: list) -> list:
         base_dir, cfg = self._sources[file_idx].base_dir, self.config
         images = []
@@ -380,6 +442,13 @@ class RLHFDataset(torch.utils.data.Dataset):
             total += self.vision.image_tokens(*target_size(width, height, cfg.min_pixels, cfg.max_pixels))
         return total
 
+    def _video_token_total(self, file_idx: int, row: int, values: list) -> int:
+        """LM tokens of the row's videos after sampling (videos are decoded to count their frames)."""
+        return sum(
+            self.vision.video_tokens(len(v.frames), v.frames.shape[2], v.frames.shape[1])
+            for v in self._prepare_videos(file_idx, row, values)
+        )
+
     def _filter_overlong(self) -> None:
         """Measure every prompt once, in record batches, keeping only an int32 length per row."""
         total = int(self._offsets[-1])
@@ -387,18 +456,25 @@ class RLHFDataset(torch.utils.data.Dataset):
         cfg = self.config
         for file_idx, table in enumerate(self._tables):
             start, row = int(self._offsets[file_idx]), 0  # global and in-file number of the next row
-            columns = [cfg.prompt_key] + ([cfg.image_key] if cfg.image_key in table.column_names else [])
+            columns = [cfg.prompt_key] + [
+                k for k in (cfg.image_key, cfg.video_key) if k in table.column_names
+            ]
             for record_batch in table.select(columns).to_batches(max_chunksize=_LENGTH_BATCH_ROWS):
                 cells = record_batch.to_pydict()
                 prompts = cells[cfg.prompt_key]
                 texts, extra = [], []
-                for cell, image_cell in zip(prompts, cells.get(cfg.image_key, [None] * len(prompts))):
+                nothing = [None] * len(prompts)
+                for cell, image_cell, video_cell in zip(
+                    prompts, cells.get(cfg.image_key, nothing), cells.get(cfg.video_key, nothing)
+                ):
                     messages = self._messages(file_idx, row, cell)
                     images = self._image_values(file_idx, row, messages, image_cell)
-                    texts.append(self._render(messages, bool(images)))
-                    # Each image is one pad in the rendered text and expands to its token count.
+                    videos = self._video_values(file_idx, row, messages, video_cell)
+                    texts.append(self._render(messages, bool(images), bool(videos)))
+                    # Each image (video) is one pad in the rendered text and expands to its token count.
                     extra.append(
-                        self._image_token_total(file_idx, row, images) - len(images) if images else 0
+                        (self._image_token_total(file_idx, row, images) - len(images) if images else 0)
+                        + (self._video_token_total(file_idx, row, videos) - len(videos) if videos else 0)
                     )
                     row += 1
                 encoded = self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)[
@@ -479,29 +555,56 @@ class RLHFDataset(torch.utils.data.Dataset):
         return ids
 
     def _encode_images(
-        self, file_idx: int, row: int, messages: list[dict], images: list
+        self, file_idx: int, row: int, messages: list[dict], images: list, videos: list[Video] = ()
     ) -> tuple[list, list, dict]:
-        """(expanded ids, raw ids with one pad per image, multi_modal_inputs) of a row with images."""
+        """(expanded ids, raw ids with one pad per image and video, multi_modal_inputs) of a row
+        with images or videos."""
         path, cfg, vision = self.files[file_idx], self.config, self.vision
-        prompt = self._render(messages, True)
-        inputs = vision.processor(images=images, text=[prompt], add_special_tokens=False, return_tensors="pt")
+        prompt = self._render(messages, bool(images), bool(videos))
+        visual: dict[str, Any] = {"images": images or None}
+        if videos:
+            from transformers.video_utils import VideoMetadata
+
+            visual["videos"] = [v.frames for v in videos]
+            visual["video_metadata"] = [VideoMetadata(**v.metadata()) for v in videos]
+        inputs = vision.processor(**visual, text=[prompt], add_special_tokens=False, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         raw_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        if raw_ids.count(vision.image_token_id) != len(images):
-            raise DatasetFormatError(
-                f"{path} row {row}: the chat template wrote {raw_ids.count(vision.image_token_id)} "
-                f"{vision.image_token!r} for {len(images)} image(s); the processor's chat template must place one "
-                "per image part."
-            )
+        pads = [(vision.image_token_id, vision.image_token, len(images), "image")]
+        if videos:
+            pads.append((vision.video_token_id, vision.video_token, len(videos), "video"))
+        for token_id, token, count, kind in pads:
+            if raw_ids.count(token_id) != count:
+                raise DatasetFormatError(
+                    f"{path} row {row}: the chat template wrote {raw_ids.count(token_id)} {token!r} for {count} "
+                    f"{kind}(s); the processor's chat template must place one per {kind} part."
+                )
         if len(ids) > cfg.max_prompt_length:
             image_tokens = ids.count(vision.image_token_id)
+            if videos:
+                video_tokens = ids.count(vision.video_token_id)
+                frames = [len(v.frames) for v in videos]
+                raise ValueError(
+                    f"{path} row {row}: prompt is {len(ids)} tokens ({video_tokens} of them for {len(videos)} "
+                    f"video(s) of {frames} frames, {image_tokens} for {len(images)} image(s)), longer than "
+                    f"data.max_prompt_length={cfg.max_prompt_length}. A prompt with videos cannot be truncated "
+                    "without cutting their tokens: raise data.max_prompt_length, lower data.video_fps, "
+                    "data.video_max_frames or data.max_pixels, or set data.filter_overlong_prompts=True."
+                )
             raise ValueError(
                 f"{path} row {row}: prompt is {len(ids)} tokens ({image_tokens} of them for {len(images)} image(s)), "
                 f"longer than data.max_prompt_length={cfg.max_prompt_length}. A prompt with images cannot be "
                 "truncated without cutting image tokens: raise data.max_prompt_length, lower data.max_pixels, or "
                 "set data.filter_overlong_prompts=True."
             )
-        mm_inputs = {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
+        mm_inputs = self._no_images() if not images else {}
+        mm_inputs.update({k: inputs[k] for k in ("pixel_values", "image_grid_thw") if images})
+        if videos:
+            mm_inputs["pixel_values_videos"] = inputs["pixel_values_videos"]
+            mm_inputs["video_grid_thw"] = inputs["video_grid_thw"]
+            mm_inputs["second_per_grid_ts"] = torch.as_tensor(
+                inputs["second_per_grid_ts"], dtype=torch.float32
+            )
         return ids, raw_ids, mm_inputs
 
     def _no_images(self) -> dict:
@@ -523,12 +626,16 @@ class RLHFDataset(torch.utils.data.Dataset):
         messages = self._messages(file_idx, row, self._cell(file_idx, row, cfg.prompt_key))
         image_cell = self._cell(file_idx, row, cfg.image_key) if cfg.image_key in table.column_names else None
         image_values = self._image_values(file_idx, row, messages, image_cell)
+        video_cell = self._cell(file_idx, row, cfg.video_key) if cfg.video_key in table.column_names else None
+        video_values = self._video_values(file_idx, row, messages, video_cell)
         reward_model, extra_info = self._reward_fields(file_idx, row)
 
         images: list = []
-        if image_values:
+        videos: list[Video] = []
+        if image_values or video_values:
             images = self._prepare_images(file_idx, row, image_values)
-            ids, raw_ids, mm_inputs = self._encode_images(file_idx, row, messages, images)
+            videos = self._prepare_videos(file_idx, row, video_values)
+            ids, raw_ids, mm_inputs = self._encode_images(file_idx, row, messages, images, videos)
         else:
             ids = raw_ids = self._encode_text(path, row, messages)
             mm_inputs = self._no_images() if self.vision is not None else None
@@ -541,11 +648,15 @@ class RLHFDataset(torch.utils.data.Dataset):
                 grid,
                 image_token_id=self.vision.image_token_id,
                 spatial_merge_size=self.vision.spatial_merge_size,
+                video_grid_thw=mm_inputs.get("video_grid_thw"),
+                video_token_id=self.vision.video_token_id,
+                second_per_grid_ts=mm_inputs.get("second_per_grid_ts"),
+                tokens_per_second=self.vision.tokens_per_second,
             )[0]  # [3, P]
 
         # Other columns (data_source, ability...) pass through; the fields set below win over a
         # column of the same name. The images column stays behind (raw bytes, for vLLM decoded).
-        dropped = {cfg.prompt_key, cfg.image_key, "reward_model", "extra_info"}
+        dropped = {cfg.prompt_key, cfg.image_key, cfg.video_key, "reward_model", "extra_info"}
         if self._layouts[file_idx] == "easyr1":
             dropped.add(cfg.answer_key)
         out: dict[str, Any] = {
@@ -559,9 +670,11 @@ class RLHFDataset(torch.utils.data.Dataset):
         out["index"] = extra_info.get("index", global_row)
         if self.vision is not None:
             out["multi_modal_data"] = {"image": images}
+            if videos:  # vLLM's video items: the frames and their timing
+                out["multi_modal_data"]["video"] = [(v.frames, v.metadata()) for v in videos]
             out["multi_modal_inputs"] = mm_inputs
         if cfg.return_raw_chat:
-            out["raw_prompt"] = with_image_parts(messages) if images else messages
+            out["raw_prompt"] = with_image_parts(messages, bool(videos)) if images or videos else messages
         if cfg.return_raw_input_ids:
             out["raw_input_ids"] = list(raw_ids)
         return out

@@ -145,6 +145,10 @@ class VisionProcessor:
     """Patches merged per side into one LM token (2 for Qwen2-VL/2.5-VL: 2 x 2 -> 1)."""
     model_path: str
     """Where the processor and config.json were read (for error messages)."""
+    video_token_id: int | None = None
+    """Id of the video pad token (``<|video_pad|>``); None when the processor takes no videos."""
+    tokens_per_second: float | None = None
+    """Qwen2.5-VL's M-RoPE time positions per second of video; None: one per temporal patch (Qwen2-VL)."""
 
     @property
     def image_token(self) -> str:
@@ -161,6 +165,15 @@ class VisionProcessor:
         images: the image processor's part of the processor's call (what the text is expanded by)."""
         out = self.processor.image_processor(images=list(images), return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    @property
+    def video_token(self) -> str:
+        return self.processor.video_token
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int:
+        """LM tokens the processor gives a video of ``frames`` (prepared) frames of this size."""
+        patches = self.processor.video_processor.get_num_of_video_patches(frames, height, width, {})
+        return int(patches) // self.spatial_merge_size**2
 
     def image_tokens(self, width: int, height: int) -> int:
         """LM tokens the processor gives an image of this (already prepared) size."""
@@ -213,7 +226,21 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
             f"load_vision_processor: {config_path} has vision_config.spatial_merge_size={merge}, but the image "
             f"processor merges {image_processor.merge_size}; the checkpoint's config and processor disagree."
         )
-    return VisionProcessor(processor, int(image_token_id), merge, model_path)
+    video_token_id = None
+    if getattr(processor, "video_processor", None) is not None and hasattr(processor, "video_token"):
+        video_token_id = config.get("video_token_id", config.get("text_config", {}).get("video_token_id"))
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.video_token)
+        if video_token_id is None or int(video_token_id) != token_id:
+            raise ValueError(
+                f"load_vision_processor: {config_path} has video_token_id={video_token_id}, but the tokenizer "
+                f"gives {processor.video_token!r} the id {token_id}; the checkpoint's config and tokenizer disagree."
+            )
+        video_token_id = int(video_token_id)
+    # Qwen2.5-VL times its video positions (transformers' default when config.json omits it).
+    per_second = (
+        float(vision.get("tokens_per_second", 4)) if config.get("model_type") == "qwen2_5_vl" else None
+    )
+    return VisionProcessor(processor, int(image_token_id), merge, model_path, video_token_id, per_second)
 
 
 VISUAL_KEYS = (

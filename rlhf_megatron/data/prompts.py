@@ -11,6 +11,7 @@ In both layouts, a row with images has each message's text split at ``<image>`` 
 parts, ``[{"type": "text", "text": ...}, {"type": "image"}, ...]`` (empty text parts
 dropped), which is how EasyR1 and verl hand images to the processor's chat template: the
 template writes ``<|vision_start|><|image_pad|><|vision_end|>`` where each image part was.
+A row with videos has ``<video>`` split the same way into ``{"type": "video"}`` parts.
 A row without images keeps string contents, so text-only data renders exactly as before.
 
 Boundaries: pure functions of Python values and the template file; no tokenizer.
@@ -19,10 +20,12 @@ Boundaries: pure functions of Python values and the template file; no tokenizer.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_megatron.data.multimodal import IMAGE_PLACEHOLDER
+from rlhf_megatron.data.video import VIDEO_PLACEHOLDER
 
 __all__ = [
     "DatasetFormatError",
@@ -100,20 +103,23 @@ def load_format_prompt(path: str | None) -> FormatPrompt | None:
         ) from err
 
 
-def split_image_placeholders(text: str) -> list[dict]:
-    """``"<image>Find x."`` -> ``[{"type": "image"}, {"type": "text", "text": "Find x."}]`` (EasyR1's split)."""
+def split_image_placeholders(text: str, videos: bool = False) -> list[dict]:
+    """``"<image>Find x."`` -> ``[{"type": "image"}, {"type": "text", "text": "Find x."}]`` (EasyR1's split).
+    With ``videos``, ``<video>`` becomes a ``{"type": "video"}`` part the same way."""
+    marks = {IMAGE_PLACEHOLDER: "image", **({VIDEO_PLACEHOLDER: "video"} if videos else {})}
+    pattern = "(" + "|".join(re.escape(m) for m in marks) + ")"
     parts: list[dict] = []
-    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            parts.append({"type": "image"})
-        if piece:
+    for piece in re.split(pattern, text):
+        if piece in marks:
+            parts.append({"type": marks[piece]})
+        elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
 
 
-def count_placeholders(messages: list[dict]) -> int:
-    """``<image>`` placeholders over the (string) contents of ``messages``."""
-    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in messages)
+def count_placeholders(messages: list[dict], placeholder: str = IMAGE_PLACEHOLDER) -> int:
+    """``<image>`` (or ``placeholder``) occurrences over the (string) contents of ``messages``."""
+    return sum(m["content"].count(placeholder) for m in messages)
 
 
 def easyr1_messages(
@@ -145,6 +151,7 @@ def verl_messages(messages: list[dict], system_prompt: str | None) -> list[dict]
     return messages
 
 
-def with_image_parts(messages: list[dict]) -> list[dict]:
-    """Every content split at ``<image>`` into typed parts (for a row that has images)."""
-    return [{"role": m["role"], "content": split_image_placeholders(m["content"])} for m in messages]
+def with_image_parts(messages: list[dict], videos: bool = False) -> list[dict]:
+    """Every content split at ``<image>`` (and, with ``videos``, ``<video>``) into typed parts (for
+    a row that has images or videos)."""
+    return [{"role": m["role"], "content": split_image_placeholders(m["content"], videos)} for m in messages]

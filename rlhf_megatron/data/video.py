@@ -84,6 +84,19 @@ class Video:
         """Seconds one temporal patch spans: Qwen2.5-VL's ``second_per_grid_ts``."""
         return FRAME_FACTOR / self.fps
 
+    def metadata(self) -> dict[str, Any]:
+        """The frames' timing as transformers' ``VideoMetadata`` and vLLM's video items take it:
+        every frame kept, at ``fps``, so the processor's sampled fps (and the seconds per
+        temporal patch it derives) is this video's."""
+        count = int(self.frames.shape[0])
+        return {
+            "fps": float(self.fps),
+            "duration": count / float(self.fps),
+            "total_num_frames": count,
+            "frames_indices": list(range(count)),
+            "video_backend": "pyav",
+        }
+
 
 @dataclass(frozen=True)
 class _Settings:

@@ -124,11 +124,20 @@ def prompt_token_lists(prompts: Batch, expanded: bool = False) -> list[list[int]
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def prompt_images(prompts: Batch) -> list[list] | None:
-    """Each row's images (``multi_modal_data["image"]``, PIL), or None for a text-only batch."""
+def prompt_media(prompts: Batch) -> list[dict] | None:
+    """Each row's images and videos as vLLM's ``multi_modal_data`` takes them (``{"image": [PIL,
+    ...], "video": [(frames [T, H, W, 3], timing), ...]}``, kinds a row lacks left out; ``{}`` for
+    a row with neither), or None for a text-only batch."""
     if "multi_modal_data" not in prompts.non_tensor_keys:
         return None
-    return [list((data or {}).get("image") or []) for data in prompts["multi_modal_data"]]
+    return [
+        {
+            kind: list(items)
+            for kind, items in (data or {}).items()
+            if kind in ("image", "video") and len(items)
+        }
+        for data in prompts["multi_modal_data"]
+    ]
 
 
 def vision_token_bias(arch: ModelArch) -> dict[int, float] | None:

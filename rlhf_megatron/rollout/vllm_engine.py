@@ -51,7 +51,7 @@ from rlhf_megatron.rollout.base import (
     RolloutSampling,
     assemble_rollout,
     assemble_routes,
-    prompt_images,
+    prompt_media,
     prompt_token_lists,
     vision_token_bias,
 )
@@ -437,9 +437,9 @@ class VLLMEngine:
         if self.sleeping:
             raise RuntimeError("VLLMEngine.generate_sequences called while asleep; call wake_up() first")
         token_lists = prompt_token_lists(prompts)
-        images = prompt_images(prompts)
-        # With images, the model sees every image token, not the one placeholder vLLM is given.
-        lengths = prompts["attention_mask"].sum(-1).tolist() if images else [len(ids) for ids in token_lists]
+        media = prompt_media(prompts)
+        # With images (videos), the model sees every pad token, not the one placeholder vLLM is given.
+        lengths = prompts["attention_mask"].sum(-1).tolist() if media else [len(ids) for ids in token_lists]
         for row, length in enumerate(lengths):
             if length + sampling.response_length > self.max_model_len:
                 raise ValueError(
@@ -448,9 +448,9 @@ class VLLMEngine:
                     "(data.max_prompt_length + data.max_response_length)"
                 )
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists]
-        for request, row_images in zip(requests, images or []):
-            if row_images:
-                request["multi_modal_data"] = {"image": row_images}
+        for request, row_media in zip(requests, media or []):
+            if row_media:
+                request["multi_modal_data"] = row_media
         if stop is not None:
             if self.return_routed_experts:
                 raise ValueError(
@@ -601,13 +601,13 @@ class VLLMEngine:
                 row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["attention_mask"][:, :width])
             ]
         )
-        images = prompt_images(batch)
+        media = prompt_media(batch)
         requests = []
         for row in rows:
             have = int(lengths[row])
             request = TokensPrompt(prompt_token_ids=prompt_ids[row] + batch["responses"][row, :have].tolist())
-            if images and images[row]:
-                request["multi_modal_data"] = {"image": images[row]}
+            if media and media[row]:
+                request["multi_modal_data"] = media[row]
             seed = None if sampling.seed is None else (sampling.seed + row + 100_003 * (have + 1)) % 2**31
             left = RolloutSampling(
                 temperature=sampling.temperature,

@@ -68,3 +68,24 @@ def png(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) ->
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def write_clip(
+    path: str | os.PathLike, frames: int = 8, rate: int = 4, width: int = 56, height: int = 56
+) -> str:
+    """An mpeg4 clip of ``frames`` frames at ``rate`` fps whose square moves left to right, for the video rows."""
+    import av
+    import numpy as np
+
+    with av.open(os.fspath(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            array = np.full((height, width, 3), 30, np.uint8)
+            x = i * (width - 16) // max(frames - 1, 1)
+            array[height // 2 - 8 : height // 2 + 8, x : x + 16] = (230, 200, 40)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return os.fspath(path)

@@ -7,12 +7,17 @@ A tiny Qwen2.5-VL at Megatron TP=2 and vLLM TP=2 in the same two processes:
 - after one optimizer step and a weight sync, the same image prompts again give equal
   log-probs: no stale weights anywhere, vision tower included, and no stale vision-encoder
   outputs cached by vLLM from before the sync;
-- with ``freeze_vision_tower`` the step leaves the tower's weights exactly as they were.
+- with ``freeze_vision_tower`` the step leaves the tower's weights exactly as they were;
+- the frozen-tower run's prompts mix images and videos (a 2-frame and a 4-frame clip): vLLM's
+  video path (frames and their timing) and the actor's (timed M-RoPE) give the same log-probs.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +30,6 @@ RESPONSE_LEN = 12
 
 @pytest.fixture(scope="module")
 def vl_inputs(tmp_path_factory):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from rlhf_megatron.models.tiny import make_tiny_qwen2_5_vl
 
     root = tmp_path_factory.mktemp("vl_worker")
@@ -52,7 +53,31 @@ def vl_inputs(tmp_path_factory):
         check=True,
         capture_output=True,
     )
-    return {"model": str(model), "data": str(root / "shapes")}
+    return {"model": str(model), "data": str(root / "shapes"), "videos": str(_video_rows(root))}
+
+
+def _video_rows(root):
+    """Two image rows of the shapes data and two video rows (clips of a moving square), EasyR1's layout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_megatron.data.sources import load_source
+
+    sys_path = str(Path(__file__).resolve().parents[1] / "data")
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    from vl_helpers import write_clip
+
+    images = load_source(f"{root / 'shapes'}@train", "data.train_files")[0].table.to_pylist()[:2]
+    clips = [write_clip(root / f"clip{n}.mp4", frames=n, rate=2) for n in (2, 4)]
+    rows = [{**row, "videos": []} for row in images] + [
+        {"problem": "<video>Which way does the square move?", "answer": "right", "images": [], "videos": [c]}
+        for c in clips
+    ]
+    path = root / "mixed" / "train.parquet"
+    path.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +109,7 @@ def _config(inputs, **extra):
         return load_config("quickstart_vl_cpu", overrides, validate=False)
 
 
-def _prompts(cfg):
+def _prompts(cfg, files=None):
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
@@ -94,7 +119,7 @@ def _prompts(cfg):
     run = OmegaConf.to_object(cfg)
     path = run.actor_rollout_ref.model.path
     dataset = RLHFDataset(
-        run.data.train_files,
+        files or run.data.train_files,
         AutoTokenizer.from_pretrained(path),
         run.data,
         load_vision_processor(path),
@@ -138,14 +163,20 @@ def _gap(group, rollout) -> float:
     return float(((old - rollout["rollout_log_probs"]).abs() * mask).max()), old
 
 
-@pytest.mark.parametrize("freeze", [False, True])
+@pytest.mark.parametrize("freeze", [False, True], ids=["images", "frozen_tower_images_and_videos"])
 def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_inputs, freeze):
-    cfg = _config(vl_inputs, **{"actor_rollout_ref.model.freeze_vision_tower": freeze})
-    prompts = _prompts(cfg)
+    prompt_len = 80 if freeze else 64  # the 4-frame clip's 8 tokens need more room than an image's 4
+    cfg = _config(
+        vl_inputs,
+        **{"actor_rollout_ref.model.freeze_vision_tower": freeze, "data.max_prompt_length": prompt_len},
+    )
+    prompts = _prompts(cfg, vl_inputs["videos"] if freeze else None)
+    if freeze:
+        assert [len(d.get("video", [])) for d in prompts["multi_modal_data"]] == [0, 0, 1, 1]
     group, pool = _actor_group(cfg, f"vl_actor_{freeze}")
     try:
         rollout = group.call.generate_sequences(prompts, seed=1)
-        assert len(rollout) == 8 and rollout["position_ids"].shape == (8, 3, 64 + RESPONSE_LEN)
+        assert len(rollout) == 8 and rollout["position_ids"].shape == (8, 3, prompt_len + RESPONSE_LEN)
         gap, old = _gap(group, rollout)
         assert gap < 1e-4, f"vLLM and Megatron disagree on image prompts by {gap}"
 
