@@ -7,6 +7,7 @@
 #   bash scripts/quickstart.sh                      # GRPO (configs/quickstart_cpu.yaml)
 #   CONFIG=configs/quickstart_cpu_ppo.yaml bash scripts/quickstart.sh   # PPO with a critic
 #   CONFIG=configs/quickstart_vl_cpu.yaml bash scripts/quickstart.sh    # images: a tiny Qwen2.5-VL
+#   CONFIG=configs/quickstart_video_cpu.yaml bash scripts/quickstart.sh # videos: the same VL policy on clips
 #   CONFIG=configs/quickstart_moe_cpu.yaml bash scripts/quickstart.sh   # a tiny Qwen3-MoE at EP=2
 #   CONFIG=configs/quickstart_mla_cpu.yaml bash scripts/quickstart.sh   # a tiny DeepSeek-V3 (MLA) at EP=2
 #   CONFIG=configs/quickstart_tool_cpu.yaml bash scripts/quickstart.sh  # multi-turn: learns to call a tool
@@ -22,6 +23,9 @@ PY=.venv/bin/python
 
 case "$CONFIG" in
   *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
+  *_video_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl
+    # The image policy counts squares in stills; the clips show them appearing one by one.
+    $PY tools/data/shapes_video.py --output-dir outputs/data/shapes_video --train-size 1024 --test-size 100 >/dev/null ;;
   *_moe_*) $PY tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model --data-dir outputs/data/arith ;;
   *_mla_*) $PY tools/make_tiny_model.py --arch deepseek_v3 --out outputs/tiny_mla_model --data-dir outputs/data/arith ;;
   *_tool_*) $PY tools/make_tiny_tool_model.py --out outputs/tiny_tool_model --data-dir outputs/data/tool_mult ;;

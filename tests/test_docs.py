@@ -122,6 +122,17 @@ TESTED_COMMANDS: tuple[Exercised, ...] = (
         ),
         _QUICKSTART_HOW + "; the VL config runs through the workers, not the CLI",
     ),
+    # The video quickstart: tests/workers/test_vl_workers_ray.py builds the actor workers from
+    # configs/quickstart_video_cpu.yaml (generation from image and video prompts, an update, a
+    # weight sync) and tests/data/test_tools_data.py runs tools/data/shapes_video.py.
+    Exercised(
+        "CONFIG=configs/quickstart_video_cpu.yaml bash scripts/quickstart.sh",
+        (
+            ("tests/workers/test_vl_workers_ray.py", '"quickstart_video_cpu"'),
+            ("tests/data/test_tools_data.py", 'load_tool("shapes_video")'),
+        ),
+        _QUICKSTART_HOW + "; the video config runs through the workers, not the CLI",
+    ),
     # The MoE quickstart: tests/trainer/test_moe_e2e.py trains configs/quickstart_moe_cpu.yaml
     # through the CLI (random weights of the preset's architecture; the pre-trained tiny MoE that
     # tools/make_tiny_model.py --arch qwen3_moe builds is not).

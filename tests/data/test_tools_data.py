@@ -172,3 +172,36 @@ def test_shapes_vl_tool_is_an_easyr1_dataset_repository(tmp_path, vision):
     answer = item["reward_model"]["ground_truth"]
     assert 1 <= int(answer) <= 5
     assert math_compute_score(f"<think>count</think>\\boxed{{{answer}}}", answer)["overall"] == 1.0
+
+
+def test_shapes_video_tool_writes_clips_whose_squares_appear_over_time(tmp_path, vision):
+    """The synthetic video task: EasyR1's video layout, MPEG-4 clips decoded with PyAV, the count
+    visible in full only at the end, timed positions for every row."""
+    from rlhf_megatron.data.video import load_video
+
+    out = tmp_path / "shapes_video"
+    tool = load_tool("shapes_video")
+    paths = tool.main(["--output-dir", str(out), "--train-size", "8", "--test-size", "2", "--seed", "3"])
+    assert paths == [str(out / "data" / f"{s}-00000-of-00001.parquet") for s in ("train", "test")]
+    assert no_temp_files(out / "data")
+    again = tool.main(
+        ["--output-dir", str(tmp_path / "again"), "--train-size", "8", "--test-size", "2", "--seed", "3"]
+    )
+    assert Path(again[0]).read_bytes() == Path(paths[0]).read_bytes()  # deterministic
+
+    cfg = DataConfig(prompt_key="problem", max_prompt_length=128, min_pixels=3136, max_pixels=3136)
+    train = RLHFDataset(f"{out}@train", vision.processor.tokenizer, cfg, vision)
+    counts = []
+    for i in range(len(train)):
+        item = train[i]
+        assert item["multi_modal_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4]]  # 4 frames at 2 fps
+        frames, _ = item["multi_modal_data"]["video"][0]
+        # Squares only appear: the dark (non-white) area never shrinks from frame to frame.
+        dark = [int((f.min(-1) < 150).sum()) for f in frames]
+        assert dark == sorted(dark) and dark[0] > 0, dark
+        counts.append(int(item["reward_model"]["ground_truth"]))
+    assert set(counts) <= {1, 2, 3, 4} and len(set(counts)) > 1
+    import pyarrow.parquet as pq
+
+    raw = pq.read_table(paths[0]).to_pylist()[0]["videos"][0]["bytes"]
+    assert load_video({"bytes": raw}, fps=2.0).frames.shape[0] == 4

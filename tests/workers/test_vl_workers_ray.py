@@ -87,7 +87,7 @@ def local_ray():
     ray.shutdown()
 
 
-def _config(inputs, **extra):
+def _config(inputs, preset="quickstart_vl_cpu", **extra):
     from rlhf_megatron.planning import load_config
 
     overrides = [
@@ -106,7 +106,7 @@ def _config(inputs, **extra):
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_config("quickstart_vl_cpu", overrides, validate=False)
+        return load_config(preset, overrides, validate=False)
 
 
 def _prompts(cfg, files=None):
@@ -168,6 +168,7 @@ def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_i
     prompt_len = 80 if freeze else 64  # the 4-frame clip's 8 tokens need more room than an image's 4
     cfg = _config(
         vl_inputs,
+        "quickstart_video_cpu" if freeze else "quickstart_vl_cpu",  # the video one adds data.video_*
         **{"actor_rollout_ref.model.freeze_vision_tower": freeze, "data.max_prompt_length": prompt_len},
     )
     prompts = _prompts(cfg, vl_inputs["videos"] if freeze else None)
