@@ -14,6 +14,10 @@ number exactly once reaches. The target is built by combining the numbers with r
 operations (subtraction and division only when they give a positive integer), so every task
 is solvable; the generating expression is kept as ``solution``.
 
+*Squares.* The vision tasks (`tools/data/shapes_vl.py`, `tools/data/shapes_video.py`) place
+non-overlapping coloured squares on a 4 x 4 grid (`square_boxes`) and write their splits laid
+out like a Hub dataset repository (`write_repository_splits`).
+
 Boundaries: produces plain Python rows; turning them into verl parquet rows is in
 `rlhf_megatron.data.preprocess`.
 """
@@ -32,7 +36,15 @@ __all__ = [
     "make_arith_rows",
     "make_arith_split",
     "make_countdown_split",
+    "check_max_count",
+    "shapes_split_parser",
+    "square_boxes",
+    "write_repository_splits",
 ]
+
+SQUARE_COLORS = ((220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 170, 20), (150, 60, 190))
+SQUARE_CELLS = 4
+"""The squares' grid: ``SQUARE_CELLS x SQUARE_CELLS`` cells, at most one square each."""
 
 
 @dataclass(frozen=True)
@@ -198,4 +210,55 @@ def write_arith_splits(args: argparse.Namespace, make_row: Callable[[dict, str, 
         rows = [make_row(p, split, i) for i, p in enumerate(problems)]
         paths.append(write_parquet_atomic(rows, os.path.join(args.output_dir, f"{split}.parquet")))
         print(f"wrote {len(rows)} rows to {paths[-1]}")
+    return paths
+
+
+def square_boxes(rng: random.Random, size: int, count: int) -> list[tuple[list[int], tuple[int, int, int]]]:
+    """``count`` squares on a ``size x size`` canvas, each in its own cell of the grid so none
+    overlap: ``([x0, y0, x1, y1], colour)`` each, drawn from ``rng`` cell, side, colour in turn."""
+    cell = size // SQUARE_CELLS
+    out = []
+    for slot in rng.sample(range(SQUARE_CELLS * SQUARE_CELLS), count):
+        x, y = (slot % SQUARE_CELLS) * cell, (slot // SQUARE_CELLS) * cell
+        side = rng.randint(cell // 2, cell - 2)
+        out.append(([x + 1, y + 1, x + side, y + side], rng.choice(SQUARE_COLORS)))
+    return out
+
+
+def shapes_split_parser(description: str, what: str, size: int, max_count: int) -> argparse.ArgumentParser:
+    """The options every squares tool takes: where, how many, seed, ``what``'s side, most squares."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--output-dir", required=True, help="dataset directory (data/<split>-*.parquet inside)"
+    )
+    parser.add_argument("--train-size", type=int, required=True)
+    parser.add_argument("--test-size", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", type=int, default=size, help=f"{what} side in pixels")
+    parser.add_argument(
+        "--max-count", type=int, default=max_count, help=f"most squares in one {what} (at most 16)"
+    )
+    return parser
+
+
+def check_max_count(parser: argparse.ArgumentParser, max_count: int) -> None:
+    if not 1 <= max_count <= SQUARE_CELLS * SQUARE_CELLS:
+        parser.error(f"--max-count must be in 1..16 (a 4 x 4 grid), got {max_count}")
+
+
+def write_repository_splits(
+    args: argparse.Namespace, make_rows: Callable[[int, random.Random], list[dict]]
+) -> list[str]:
+    """``make_rows(n, rng)`` for the train then the test split, one ``random.Random(args.seed)``
+    throughout, written atomically to ``<output_dir>/data/{split}-00000-of-00001.parquet``;
+    returns the paths."""
+    from rlhf_megatron.data.preprocess import write_parquet_atomic
+
+    rng = random.Random(args.seed)
+    paths = []
+    for split, n in (("train", args.train_size), ("test", args.test_size)):
+        rows = make_rows(n, rng)
+        path = os.path.join(args.output_dir, "data", f"{split}-00000-of-00001.parquet")
+        paths.append(write_parquet_atomic(rows, path))
+        print(f"wrote {len(rows)} rows to {path}")
     return paths

@@ -15,36 +15,26 @@ Files are written atomically; the same seed gives the same files.
 
 from __future__ import annotations
 
-import argparse
 import io
-import os
 import random
 
 import av
 import numpy as np
 from PIL import Image, ImageDraw
 
-from rlhf_megatron.data.preprocess import write_parquet_atomic
+from rlhf_megatron.data.synthetic import (
+    check_max_count,
+    shapes_split_parser,
+    square_boxes,
+    write_repository_splits,
+)
 
-COLORS = ((220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 170, 20), (150, 60, 190))
 PROBLEM = "<video>How many squares appear in the video?"
-CELLS = 4
-
-
-def squares(rng: random.Random, size: int, count: int) -> list[tuple[list[int], tuple[int, int, int]]]:
-    """``count`` non-overlapping squares on a 4 x 4 grid: (box, colour) each."""
-    cell = size // CELLS
-    out = []
-    for slot in rng.sample(range(CELLS * CELLS), count):
-        x, y = (slot % CELLS) * cell, (slot // CELLS) * cell
-        side = rng.randint(cell // 2, cell - 2)
-        out.append(([x + 1, y + 1, x + side, y + side], rng.choice(COLORS)))
-    return out
 
 
 def clip(rng: random.Random, size: int, frames: int, fps: int, count: int) -> bytes:
     """MPEG-4 bytes: ``count`` squares appearing at random frames (the first at frame 0) on white."""
-    shapes = squares(rng, size, count)
+    shapes = square_boxes(rng, size, count)
     starts = [0] + sorted(rng.randrange(frames) for _ in range(count - 1))
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
@@ -76,35 +66,20 @@ def make_rows(n: int, rng: random.Random, size: int, frames: int, fps: int, max_
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--output-dir", required=True, help="dataset directory (data/<split>-*.parquet inside)"
-    )
-    parser.add_argument("--train-size", type=int, required=True)
-    parser.add_argument("--test-size", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=56, help="frame side in pixels (even)")
+    parser = shapes_split_parser(__doc__.splitlines()[0], "frame", size=56, max_count=4)
     parser.add_argument("--frames", type=int, default=4, help="frames per clip")
     parser.add_argument("--fps", type=int, default=2, help="frames per second of the clips")
-    parser.add_argument("--max-count", type=int, default=4, help="most squares in one clip (at most 16)")
     args = parser.parse_args(argv)
-    if not 1 <= args.max_count <= CELLS * CELLS:
-        parser.error(f"--max-count must be in 1..16 (a 4 x 4 grid), got {args.max_count}")
+    check_max_count(parser, args.max_count)
     if args.size < 16 or args.size % 2:
         parser.error(
             f"--size must be an even number of pixels, at least 16 (the encoder's 4:2:0), got {args.size}"
         )
     if args.frames < 2 or args.fps < 1:
         parser.error(f"--frames must be at least 2 and --fps at least 1, got {args.frames} and {args.fps}")
-
-    rng = random.Random(args.seed)
-    paths = []
-    for split, n in (("train", args.train_size), ("test", args.test_size)):
-        rows = make_rows(n, rng, args.size, args.frames, args.fps, args.max_count)
-        path = os.path.join(args.output_dir, "data", f"{split}-00000-of-00001.parquet")
-        paths.append(write_parquet_atomic(rows, path))
-        print(f"wrote {len(rows)} rows to {path}")
-    return paths
+    return write_repository_splits(
+        args, lambda n, rng: make_rows(n, rng, args.size, args.frames, args.fps, args.max_count)
+    )
 
 
 if __name__ == "__main__":

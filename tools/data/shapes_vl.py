@@ -18,29 +18,27 @@ where the image goes) and the answer as the assistant's reply, ``"There are 3 sq
 
 from __future__ import annotations
 
-import argparse
 import io
-import os
 import random
 
 from PIL import Image, ImageDraw
 
-from rlhf_megatron.data.preprocess import write_parquet_atomic
+from rlhf_megatron.data.synthetic import (
+    check_max_count,
+    shapes_split_parser,
+    square_boxes,
+    write_repository_splits,
+)
 
-COLORS = ((220, 40, 40), (40, 160, 60), (40, 80, 220), (230, 170, 20), (150, 60, 190))
 PROBLEM = "<image>How many squares are in the image?"
 
 
 def draw_squares(rng: random.Random, size: int, count: int) -> bytes:
     """PNG bytes: ``count`` squares on a white ``size x size`` canvas, on a grid so none overlap."""
-    cells = 4
-    cell = size // cells
     image = Image.new("RGB", (size, size), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    for slot in rng.sample(range(cells * cells), count):
-        x, y = (slot % cells) * cell, (slot // cells) * cell
-        side = rng.randint(cell // 2, cell - 2)
-        draw.rectangle([x + 1, y + 1, x + side, y + side], fill=rng.choice(COLORS))
+    for box, colour in square_boxes(rng, size, count):
+        draw.rectangle(box, fill=colour)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
@@ -60,30 +58,15 @@ def make_rows(n: int, rng: random.Random, size: int, max_count: int, sft: bool =
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--output-dir", required=True, help="dataset directory (data/<split>-*.parquet inside)"
-    )
-    parser.add_argument("--train-size", type=int, required=True)
-    parser.add_argument("--test-size", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=112, help="image side in pixels")
-    parser.add_argument("--max-count", type=int, default=5, help="most squares in one image (at most 16)")
+    parser = shapes_split_parser(__doc__.splitlines()[0], "image", size=112, max_count=5)
     parser.add_argument("--sft", action="store_true", help="also write SFT transcripts (a messages column)")
     args = parser.parse_args(argv)
-    if not 1 <= args.max_count <= 16:
-        parser.error(f"--max-count must be in 1..16 (a 4 x 4 grid), got {args.max_count}")
+    check_max_count(parser, args.max_count)
     if args.size < 16:
         parser.error(f"--size must be at least 16 pixels, got {args.size}")
-
-    rng = random.Random(args.seed)
-    paths = []
-    for split, n in (("train", args.train_size), ("test", args.test_size)):
-        rows = make_rows(n, rng, args.size, args.max_count, args.sft)
-        path = os.path.join(args.output_dir, "data", f"{split}-00000-of-00001.parquet")
-        paths.append(write_parquet_atomic(rows, path))
-        print(f"wrote {len(rows)} rows to {path}")
-    return paths
+    return write_repository_splits(
+        args, lambda n, rng: make_rows(n, rng, args.size, args.max_count, args.sft)
+    )
 
 
 if __name__ == "__main__":
