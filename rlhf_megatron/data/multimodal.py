@@ -35,6 +35,7 @@ __all__ = [
     "ImageError",
     "VisionProcessor",
     "image_list",
+    "locate_file",
     "load_vision_processor",
     "open_image",
     "prepare_image",
@@ -87,24 +88,30 @@ def open_image(value: Any, base_dir: str | None = None) -> Image.Image:
     )
 
 
-def _open_path(path: str, base_dir: str | None) -> Image.Image:
-    from PIL import Image
-
+def locate_file(path: str, base_dir: str | None) -> tuple[str | None, str]:
+    """A data row's file: an absolute ``path``, or a relative one looked up in ``base_dir`` (the
+    data file's directory), then the current directory. ``(the file or None, where it was looked
+    for)``, the second for the caller's "does not exist" error."""
     candidates = [path] if os.path.isabs(path) else [os.path.join(base_dir, path)] if base_dir else []
     if not os.path.isabs(path):
         candidates.append(os.path.abspath(path))
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            try:
-                return Image.open(candidate)
-            except Exception as err:
-                raise ImageError(
-                    f"image file {candidate} is not a readable image ({type(err).__name__}: {err})"
-                ) from err
-    raise ImageError(
-        f"image file {path!r} does not exist (looked for {' and '.join(dict.fromkeys(candidates))}); "
-        "relative image paths are resolved against the data file's directory, then the current directory"
-    )
+    found = next((c for c in candidates if os.path.isfile(c)), None)
+    return found, " and ".join(dict.fromkeys(candidates))
+
+
+def _open_path(path: str, base_dir: str | None) -> Image.Image:
+    from PIL import Image
+
+    found, looked = locate_file(path, base_dir)
+    if found is None:
+        raise ImageError(
+            f"image file {path!r} does not exist (looked for {looked}); "
+            "relative image paths are resolved against the data file's directory, then the current directory"
+        )
+    try:
+        return Image.open(found)
+    except Exception as err:
+        raise ImageError(f"image file {found} is not a readable image ({type(err).__name__}: {err})") from err
 
 
 def target_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
@@ -213,13 +220,7 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
         raise ValueError(
             f"load_vision_processor: {model_path}: {type(processor).__name__} has no image processor."
         )
-    image_token_id = config.get("image_token_id", config.get("text_config", {}).get("image_token_id"))
-    token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    if image_token_id is None or int(image_token_id) != token_id:
-        raise ValueError(
-            f"load_vision_processor: {config_path} has image_token_id={image_token_id}, but the tokenizer gives "
-            f"{processor.image_token!r} the id {token_id}; the checkpoint's config and tokenizer disagree."
-        )
+    image_token_id = _token_id(config, config_path, processor, "image")
     merge = int(vision.get("spatial_merge_size", 2))
     if int(getattr(image_processor, "merge_size", merge)) != merge:
         raise ValueError(
@@ -228,19 +229,26 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
         )
     video_token_id = None
     if getattr(processor, "video_processor", None) is not None and hasattr(processor, "video_token"):
-        video_token_id = config.get("video_token_id", config.get("text_config", {}).get("video_token_id"))
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.video_token)
-        if video_token_id is None or int(video_token_id) != token_id:
-            raise ValueError(
-                f"load_vision_processor: {config_path} has video_token_id={video_token_id}, but the tokenizer "
-                f"gives {processor.video_token!r} the id {token_id}; the checkpoint's config and tokenizer disagree."
-            )
-        video_token_id = int(video_token_id)
+        video_token_id = _token_id(config, config_path, processor, "video")
     # Qwen2.5-VL times its video positions (transformers' default when config.json omits it).
     per_second = (
         float(vision.get("tokens_per_second", 4)) if config.get("model_type") == "qwen2_5_vl" else None
     )
-    return VisionProcessor(processor, int(image_token_id), merge, model_path, video_token_id, per_second)
+    return VisionProcessor(processor, image_token_id, merge, model_path, video_token_id, per_second)
+
+
+def _token_id(config: dict, config_path: str, processor, kind: str) -> int:
+    """config.json's ``<kind>_token_id``, checked against the id the tokenizer gives the processor's
+    ``<kind>_token`` (``<|image_pad|>``, ``<|video_pad|>``)."""
+    key, token = f"{kind}_token_id", getattr(processor, f"{kind}_token")
+    value = config.get(key, config.get("text_config", {}).get(key))
+    token_id = processor.tokenizer.convert_tokens_to_ids(token)
+    if value is None or int(value) != token_id:
+        raise ValueError(
+            f"load_vision_processor: {config_path} has {key}={value}, but the tokenizer gives "
+            f"{token!r} the id {token_id}; the checkpoint's config and tokenizer disagree."
+        )
+    return token_id
 
 
 VISUAL_KEYS = (

@@ -163,25 +163,13 @@ def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 
     """
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=min_pixels,
-        max_pixels=max_pixels,
-        patch_size=14,
-        temporal_patch_size=2,
-        merge_size=2,
+    patches = dict(
+        min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2
     )
-    tokenizer = build_tiny_vl_tokenizer(extra_words)
     return Qwen2_5_VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
+        image_processor=Qwen2VLImageProcessor(**patches),
+        tokenizer=build_tiny_vl_tokenizer(extra_words),
         # Videos: frames bounded like images; the per-video pixel cap (transformers' coming default).
-        video_processor=Qwen2VLVideoProcessor(
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            patch_size=14,
-            temporal_patch_size=2,
-            merge_size=2,
-            cap_pixels_per_frame=True,
-        ),
+        video_processor=Qwen2VLVideoProcessor(**patches, cap_pixels_per_frame=True),
         chat_template=TINY_VL_CHAT_TEMPLATE,
     )

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_megatron.data.multimodal import ImageError, open_image, target_size
+from rlhf_megatron.data.multimodal import ImageError, locate_file, open_image, target_size
 
 __all__ = [
     "FRAME_FACTOR",
@@ -190,16 +190,13 @@ def _find_file(path: str, base_dir: str | None) -> str:
         path = path[len(_FILE_PREFIX) :]
     if path.startswith(("http://", "https://")):
         raise VideoError(f"video {path!r} is a URL; videos are not downloaded, store a local path or bytes")
-    candidates = [path] if os.path.isabs(path) else [os.path.join(base_dir, path)] if base_dir else []
-    if not os.path.isabs(path):
-        candidates.append(os.path.abspath(path))
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
-    raise VideoError(
-        f"video file {path!r} does not exist (looked for {' and '.join(dict.fromkeys(candidates))}); "
-        "relative video paths are resolved against the data file's directory, then the current directory"
-    )
+    found, looked = locate_file(path, base_dir)
+    if found is None:
+        raise VideoError(
+            f"video file {path!r} does not exist (looked for {looked}); "
+            "relative video paths are resolved against the data file's directory, then the current directory"
+        )
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- sampling

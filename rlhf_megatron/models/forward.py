@@ -152,7 +152,6 @@ def model_forward(
             out = chunk(input_ids, position_ids, mask)
         return roll_rows(out, shifts, back=True) if shifts is not None and is_last_stage(chunk) else out
     mask = build_attention_mask(attention_mask, sliding_window, segment_ids, position_ids)
-    videos = dict(video_grid_thw=video_grid_thw, second_per_grid_ts=second_per_grid_ts)
     position_ids = _mrope_positions(
         vl,
         input_ids,
@@ -161,7 +160,8 @@ def model_forward(
         pixel_values,
         image_grid_thw,
         pixel_values_videos,
-        **videos,
+        video_grid_thw,
+        second_per_grid_ts,
     )
     pos = position_ids.transpose(0, 1).contiguous()  # (3, B, S), megatron's layout
     return chunk(

@@ -23,7 +23,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RowImages", "check_pixel_values", "images_per_row", "scatter_image_embeddings", "select_rows"]
+__all__ = [
+    "INPUT_NAMES",
+    "RowImages",
+    "check_pixel_values",
+    "images_per_row",
+    "scatter_image_embeddings",
+    "select_rows",
+]
+
+INPUT_NAMES = {
+    "image": ("pixel_values", "image_grid_thw"),
+    "video": ("pixel_values_videos", "video_grid_thw"),
+}
+"""The forward's names for each kind's patches and grids (transformers' names)."""
 
 RowImages = list[tuple[int, int]]
 """Per row, the half-open range ``[first, end)`` of its images in ``image_grid_thw``."""
@@ -74,9 +87,7 @@ def check_pixel_values(
 ) -> None:
     """``pixel_values`` has one ``patch_dim``-wide row per patch of the grids, in image order
     (``kind="video"``: ``pixel_values_videos`` and ``video_grid_thw``)."""
-    names = (
-        ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
-    )
+    names = INPUT_NAMES[kind]
     patches = image_grid_thw.prod(-1).tolist()
     if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_dim:
         raise ValueError(

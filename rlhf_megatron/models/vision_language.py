@@ -29,7 +29,12 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 
-from rlhf_megatron.models.multimodal import check_pixel_values, images_per_row, scatter_image_embeddings
+from rlhf_megatron.models.multimodal import (
+    INPUT_NAMES,
+    check_pixel_values,
+    images_per_row,
+    scatter_image_embeddings,
+)
 from rlhf_megatron.models.vision import VisionTransformer
 from rlhf_megatron.planning.model_arch import ModelArch
 
@@ -117,11 +122,7 @@ class VisionLanguageModel(MegatronModule):
         present = bool(rows) and rows[-1][1] > 0
         if pixels is not None and pixels.shape[0] == 0:
             pixels = None  # an empty batch of images (videos) is none
-        names = (
-            ("pixel_values", "image_grid_thw")
-            if kind == "image"
-            else ("pixel_values_videos", "video_grid_thw")
-        )
+        names = INPUT_NAMES[kind]
         if present != (pixels is not None):
             raise ValueError(
                 f"the micro-batch has {kind} tokens and {names[1]} but no {names[0]}"
