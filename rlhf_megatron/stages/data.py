@@ -14,6 +14,7 @@ the RL actor's: ``position_ids`` ``[rows, 3, width]`` (M-RoPE, each packed sampl
 its first token) and a per-row ``multi_modal_inputs`` column (``pixel_values``,
 ``image_grid_thw`` of the row's samples in order; None for a row without images), which
 ``split_micro_batches`` keeps with its row. A text-only model refuses a row with images.
+A row holding videos (a ``videos`` column) is refused: the stages do not train on them yet.
 
 ``pair_samples`` / ``pair_batch`` do the same for preference pairs (``data.preference``): a pair's
 two sides are consecutive rows (chosen, rejected), so a micro-batch of an even size holds whole pairs.
@@ -45,8 +46,14 @@ from rlhf_megatron.data.sft import (
     truncate,
 )
 from rlhf_megatron.data.sources import SourceTable, load_source
+from rlhf_megatron.data.video import video_list
 
 __all__ = ["epoch_order", "pair_batch", "pair_samples", "read_rows", "sft_batch", "sft_samples"]
+
+
+STAGE_VIDEO_COLUMN = "videos"
+"""verl's and EasyR1's videos column: a stage row holding videos there is refused (no video SFT or
+reward-model training yet)."""
 
 
 def read_rows(files: Any, files_key: str) -> Iterator[tuple[str, dict[str, Any], SourceTable]]:
@@ -54,7 +61,14 @@ def read_rows(files: Any, files_key: str) -> Iterator[tuple[str, dict[str, Any],
     for spec in [files] if isinstance(files, str) else list(files):
         for source in load_source(spec, files_key):
             for i, row in enumerate(source.table.to_pylist()):
-                yield f"{files_key}: {source.name} row {i}", row, source
+                where = f"{files_key}: {source.name} row {i}"
+                if video_list(row.get(STAGE_VIDEO_COLUMN)):
+                    # RL trains on videos (data.video_key); the stages do not yet: refused, not dropped.
+                    raise SFTDataError(
+                        f"{where}: column {STAGE_VIDEO_COLUMN!r} holds videos, which the SFT and reward-model "
+                        "stages do not train on yet (RL does, through data.video_key); drop or rename the column"
+                    )
+                yield where, row, source
 
 
 def _json_list(value: Any) -> Any:

@@ -263,6 +263,14 @@ def test_stage_rows_read_images_from_the_image_key_and_text_models_refuse_them(v
         "is text-only",
     ):
         sft_samples(data, vision.processor.tokenizer, path, "data.train_files", None)
+    # Videos are not trained by the SFT stage yet: a row holding some is refused, not dropped.
+    rows = [{**rows[0], "videos": ["clip.mp4"]}]
+    path = _write_rows(tmp_path / "videos.parquet", rows)
+    with pytest.raises(
+        SFTDataError,
+        match=r"videos.parquet row 0: column 'videos' holds videos.*reward-model stages do not train on",
+    ):
+        sft_samples(data, vision.processor.tokenizer, path, "data.train_files", vision)
 
 
 @pytest.mark.parametrize("packing", [True, False])
