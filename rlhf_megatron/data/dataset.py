@@ -29,7 +29,11 @@ Any other column (``ability``...) passes through unchanged; the images column do
 * with a `VisionProcessor` only, on every row (empty for rows without images):
   ``multi_modal_data`` = ``{"image": [PIL.Image, ...]}`` (the prepared RGB images, for vLLM) and
   ``multi_modal_inputs`` = ``{"pixel_values": float32 [num_patches, patch_dim],
-  "image_grid_thw": int64 [num_images, 3]}`` (for the model's forward passes).
+  "image_grid_thw": int64 [num_images, 3]}`` (for the model's forward passes). A row with
+  videos (``data.video_key``) adds ``"video": [(frames uint8 [T, H, W, 3], timing), ...]`` to
+  the first (``Video.metadata``) and ``pixel_values_videos``, ``video_grid_thw`` (and
+  Qwen2.5-VL's ``second_per_grid_ts``) to the second; Qwen3-VL's processor expands a video's
+  pad into a ``<t seconds>`` timestamp and a run of video tokens per temporal patch.
 * ``reward_model``, ``extra_info``, ``index``, the data-source column, the pass-through
   columns, and optionally ``raw_prompt`` (the messages) and ``raw_input_ids``.
 
@@ -329,7 +333,7 @@ class RLHFDataset(torch.utils.data.Dataset):
                 f"{path}: column '{cfg.video_key}' (data.video_key) holds videos, but "
                 + (
                     "the dataset was given no vision processor: the model is text-only. Use a "
-                    "vision-language model (Qwen2-VL, Qwen2.5-VL) or drop the videos."
+                    "vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or drop the videos."
                     if self.vision is None
                     else f"the processor of {self.vision.model_path} takes no videos."
                 )
@@ -445,7 +449,7 @@ class RLHFDataset(torch.utils.data.Dataset):
     def _video_token_total(self, file_idx: int, row: int, values: list) -> int:
         """LM tokens of the row's videos after sampling (videos are decoded to count their frames)."""
         return sum(
-            self.vision.video_tokens(len(v.frames), v.frames.shape[2], v.frames.shape[1])
+            self.vision.video_tokens(len(v.frames), v.frames.shape[2], v.frames.shape[1], v.metadata())
             for v in self._prepare_videos(file_idx, row, values)
         )
 
@@ -567,6 +571,8 @@ class RLHFDataset(torch.utils.data.Dataset):
 
             visual["videos"] = [v.frames for v in videos]
             visual["video_metadata"] = [VideoMetadata(**v.metadata()) for v in videos]
+            # The frames are sampled already (Qwen3-VL's video processor would sample again by default).
+            visual["do_sample_frames"] = False
         inputs = vision.processor(**visual, text=[prompt], add_special_tokens=False, return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         raw_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -602,9 +608,10 @@ class RLHFDataset(torch.utils.data.Dataset):
         if videos:
             mm_inputs["pixel_values_videos"] = inputs["pixel_values_videos"]
             mm_inputs["video_grid_thw"] = inputs["video_grid_thw"]
-            mm_inputs["second_per_grid_ts"] = torch.as_tensor(
-                inputs["second_per_grid_ts"], dtype=torch.float32
-            )
+            if "second_per_grid_ts" in inputs:  # Qwen2.5-VL's; Qwen3-VL times frames in text
+                mm_inputs["second_per_grid_ts"] = torch.as_tensor(
+                    inputs["second_per_grid_ts"], dtype=torch.float32
+                )
         return ids, raw_ids, mm_inputs
 
     def _no_images(self) -> dict:
@@ -652,6 +659,7 @@ class RLHFDataset(torch.utils.data.Dataset):
                 video_token_id=self.vision.video_token_id,
                 second_per_grid_ts=mm_inputs.get("second_per_grid_ts"),
                 tokens_per_second=self.vision.tokens_per_second,
+                frames_apart=self.vision.frames_apart,
             )[0]  # [3, P]
 
         # Other columns (data_source, ability...) pass through; the fields set below win over a

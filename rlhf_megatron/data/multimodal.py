@@ -156,6 +156,9 @@ class VisionProcessor:
     """Id of the video pad token (``<|video_pad|>``); None when the processor takes no videos."""
     tokens_per_second: float | None = None
     """Qwen2.5-VL's M-RoPE time positions per second of video; None: one per temporal patch (Qwen2-VL)."""
+    frames_apart: bool = False
+    """Qwen3-VL: each temporal patch of a video is its own run of video tokens after a ``<t seconds>``
+    timestamp, and M-RoPE numbers it as a one-frame image (``get_rope_index(frames_apart=True)``)."""
 
     @property
     def image_token(self) -> str:
@@ -177,10 +180,27 @@ class VisionProcessor:
     def video_token(self) -> str:
         return self.processor.video_token
 
-    def video_tokens(self, frames: int, width: int, height: int) -> int:
-        """LM tokens the processor gives a video of ``frames`` (prepared) frames of this size."""
-        patches = self.processor.video_processor.get_num_of_video_patches(frames, height, width, {})
-        return int(patches) // self.spatial_merge_size**2
+    def video_tokens(self, frames: int, width: int, height: int, timing: dict | None = None) -> int:
+        """LM tokens the processor puts in place of the one ``<|video_pad|>`` of a video of ``frames``
+        (prepared) frames of this size: its video tokens, and with ``frames_apart`` (Qwen3-VL) each
+        temporal patch's timestamp and markers too, written from ``timing`` (the video's metadata)."""
+        patches = int(self.processor.video_processor.get_num_of_video_patches(frames, height, width, {}))
+        tokens = patches // self.spatial_merge_size**2
+        if not self.frames_apart:
+            return tokens
+        if timing is None:
+            raise ValueError("VisionProcessor.video_tokens: Qwen3-VL's timestamps need the video's timing")
+        import torch
+        from transformers.video_utils import VideoMetadata
+
+        # The processor's own expansion of a grid with no pads per frame: timestamps and markers only.
+        grid_t = -(-frames // int(self.processor.video_processor.temporal_patch_size))
+        empty = {
+            "video_grid_thw": torch.tensor([[grid_t, 0, 0]]),
+            "video_metadata": [VideoMetadata(**timing)],
+        }
+        text = self.processor.replace_video_token(empty, 0)
+        return tokens + len(self.processor.tokenizer.encode(text, add_special_tokens=False))
 
     def image_tokens(self, width: int, height: int) -> int:
         """LM tokens the processor gives an image of this (already prepared) size."""
@@ -234,7 +254,10 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
     per_second = (
         float(vision.get("tokens_per_second", 4)) if config.get("model_type") == "qwen2_5_vl" else None
     )
-    return VisionProcessor(processor, image_token_id, merge, model_path, video_token_id, per_second)
+    frames_apart = config.get("model_type") == "qwen3_vl"
+    return VisionProcessor(
+        processor, image_token_id, merge, model_path, video_token_id, per_second, frames_apart
+    )
 
 
 def _token_id(config: dict, config_path: str, processor, kind: str) -> int:

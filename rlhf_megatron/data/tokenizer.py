@@ -113,7 +113,9 @@ VL_MARKER_TOKENS = ("<think>", "</think>", "\\boxed")
 
 # Qwen2-VL's chat template, reduced to what the tiny models need: string or list content,
 # an image entry becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
-# the pad to the image's token count), a video entry the same with <|video_pad|>.
+# the pad to the image's token count), a video entry the same with <|video_pad|>. Qwen3-VL's
+# processor (and vLLM's) expands a video's pad into a `<t seconds><|vision_start|>...<|vision_end|>`
+# run per temporal patch, inside these markers, so the same template serves both families.
 TINY_VL_CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -152,7 +154,13 @@ def build_tiny_vl_tokenizer(extra_words: Iterable[str] = ()) -> PreTrainedTokeni
     return hf_tok
 
 
-def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64, extra_words=()):
+VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""The processors `build_tiny_vl_processor` builds."""
+
+
+def build_tiny_vl_processor(
+    min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64, extra_words=(), family: str = "qwen2_5_vl"
+):
     """A Qwen2.5-VL processor (Qwen2-VL's image processor, 14-pixel patches merged 2 x 2)
     around ``build_tiny_vl_tokenizer``; ``save_pretrained`` writes what ``AutoProcessor`` loads.
     Needs torchvision importable (the processor class insists on a video processor): see
@@ -160,7 +168,16 @@ def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 
 
     ``min_pixels``/``max_pixels`` bound an image's area after resizing, so a test image gives
     between ``min_pixels / 28**2`` and ``max_pixels / 28**2`` image tokens.
+
+    ``family="qwen3_vl"``: a Qwen3-VL processor instead, with Qwen3-VL's 16-pixel patches (an
+    image gives ``area / 32**2`` tokens) and its video processor, which writes a ``<t seconds>``
+    timestamp and a ``<|vision_start|>...<|vision_end|>`` run per temporal patch in place of
+    ``<|video_pad|>`` (from the frames' ``VideoMetadata``). The chat template is the same.
     """
+    if family not in VL_FAMILIES:
+        raise ValueError(f"build_tiny_vl_processor: family must be one of {VL_FAMILIES}, got {family!r}")
+    if family == "qwen3_vl":
+        return _tiny_qwen3_vl_processor(min_pixels, max_pixels, extra_words)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     patches = dict(
@@ -171,5 +188,29 @@ def build_tiny_vl_processor(min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 
         tokenizer=build_tiny_vl_tokenizer(extra_words),
         # Videos: frames bounded like images; the per-video pixel cap (transformers' coming default).
         video_processor=Qwen2VLVideoProcessor(**patches, cap_pixels_per_frame=True),
+        chat_template=TINY_VL_CHAT_TEMPLATE,
+    )
+
+
+def _tiny_qwen3_vl_processor(min_pixels: int, max_pixels: int, extra_words):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    # Qwen3-VL normalises images and videos alike (mean = std = 0.5), and vLLM relies on it: it
+    # normalises both on the device with the image processor's numbers.
+    half = [0.5, 0.5, 0.5]
+    patches = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=half, image_std=half)
+    # Qwen3-VL's video processor bounds a clip's pixels over all its frames. Its per-frame cap
+    # (max_video_tokens merged 32 x 32 patches) under a clip budget that never binds up to 768
+    # frames bounds every frame by max_pixels, as images are; min_pixels bounds the whole clip.
+    videos = Qwen3VLVideoProcessor(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 768},
+        cap_pixels_per_frame=True,
+        max_video_tokens=max_pixels // 32**2,
+        **patches,
+    )
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels, **patches),
+        tokenizer=build_tiny_vl_tokenizer(extra_words),
+        video_processor=videos,
         chat_template=TINY_VL_CHAT_TEMPLATE,
     )

@@ -1,4 +1,4 @@
-"""Videos of vision-language prompts: decoding, frame sampling and pixel bounds (Qwen2-VL / Qwen2.5-VL).
+"""Videos of vision-language prompts: decoding, frame sampling and pixel bounds (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
 A dataset row's videos (``data.video_key``) may be stored as a file path (``file://`` allowed), raw
 bytes of a video file, ``{"bytes": ...}`` / ``{"path": ...}`` (what HF ``datasets`` hold), verl's
@@ -7,7 +7,8 @@ bytes of a video file, ``{"bytes": ...}`` / ``{"path": ...}`` (what HF ``dataset
 split into images, each frame anything `open_image` takes or a uint8 RGB array ``[H, W, 3]``.
 `load_video` turns one into a `Video`: uint8 RGB frames ``[T, H, W, 3]`` with ``T`` a multiple of
 `FRAME_FACTOR` (the model's temporal patch), plus the fps of those frames (Qwen2.5-VL's
-``second_per_grid_ts`` comes from it).
+``second_per_grid_ts`` comes from it) and, decoded from a file, the source frames they are
+(Qwen3-VL's timestamps come from those).
 
 Files and bytes are decoded with PyAV and sampled in time the way qwen-vl-utils' ``fetch_video``
 (EasyR1's ``process_video``) does: ``duration x data.video_fps`` frames, clamped to ``[min_frames,
@@ -78,6 +79,10 @@ class Video:
     """Frames per second of the sampled frames (not of the source)."""
     source_frames: int
     """Frames the source had: the decoded count, or the length of a frame list."""
+    source_fps: float | None = None
+    """Frames per second of a decoded source; None for a frame list (its frames are the clip, at ``fps``)."""
+    frame_indices: tuple[int, ...] | None = None
+    """The source frame each of ``frames`` is (a decoded source, ``T`` entries); None for a frame list."""
 
     @property
     def second_per_grid(self) -> float:
@@ -85,15 +90,24 @@ class Video:
         return FRAME_FACTOR / self.fps
 
     def metadata(self) -> dict[str, Any]:
-        """The frames' timing as transformers' ``VideoMetadata`` and vLLM's video items take it:
-        every frame kept, at ``fps``, so the processor's sampled fps (and the seconds per
-        temporal patch it derives) is this video's."""
-        count = int(self.frames.shape[0])
+        """The frames' timing as transformers' ``VideoMetadata`` and vLLM's video items take it.
+
+        A decoded video is described by its source (its fps and frame count, and which source
+        frame each kept frame is), a frame list as a clip of its (padded) frames at ``fps``.
+        Either way the sampled fps the processors derive, ``len(frames_indices) /
+        total_num_frames * fps``, is this video's ``fps`` (Qwen2.5-VL's seconds per temporal
+        patch come from it), and ``frames_indices / fps`` are the frames' times in seconds
+        (Qwen3-VL writes them into the prompt as timestamps)."""
+        if self.frame_indices is None:
+            count = int(self.frames.shape[0])
+            fps, total, indices = float(self.fps), count, list(range(count))
+        else:
+            fps, total, indices = float(self.source_fps), self.source_frames, list(self.frame_indices)
         return {
-            "fps": float(self.fps),
-            "duration": count / float(self.fps),
-            "total_num_frames": count,
-            "frames_indices": list(range(count)),
+            "fps": fps,
+            "duration": total / fps,
+            "total_num_frames": total,
+            "frames_indices": indices,
             "video_backend": "pyav",
         }
 
@@ -298,7 +312,13 @@ def _decode(source: str | bytes, label: str, s: _Settings) -> Video:
     if missing:  # the second pass decoded fewer frames than the first (a flaky decoder)
         raise VideoError(f"{label} decoded differently twice (frame {missing[0]} missing); re-encode it")
     frames = np.stack([picked[i] for i in indices.tolist()])
-    return Video(frames=frames, fps=n / total * src_fps, source_frames=total)
+    return Video(
+        frames=frames,
+        fps=n / total * src_fps,
+        source_frames=total,
+        source_fps=src_fps,
+        frame_indices=tuple(indices.tolist()),
+    )
 
 
 def _decode_frames(frames, wanted: set[int], s: _Settings, label: str) -> tuple[int, dict[int, np.ndarray]]:

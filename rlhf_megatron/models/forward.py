@@ -232,6 +232,7 @@ def _mrope_positions(
             video_token_id=vl.video_token_id,
             second_per_grid_ts=second_per_grid_ts,
             tokens_per_second=vl.tokens_per_second,
+            frames_apart=vl.frames_apart,
         )
     if position_ids.dim() == 3:
         return position_ids

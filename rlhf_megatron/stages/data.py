@@ -215,6 +215,7 @@ def _mrope_positions(sample: SFTSample, vision: VisionProcessor) -> torch.Tensor
         grid,
         image_token_id=vision.image_token_id,
         spatial_merge_size=vision.spatial_merge_size,
+        frames_apart=vision.frames_apart,
     )[0]
 
 

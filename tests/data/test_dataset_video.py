@@ -57,7 +57,10 @@ def test_easyr1_video_rows_expand_time_positions_and_hand_vllm_frames_with_their
     assert item["multi_modal_inputs"]["pixel_values_videos"].shape == (2 * 4 * 4, 3 * 2 * 14 * 14)
     assert item["multi_modal_inputs"]["image_grid_thw"].shape == (0, 3)
     frames, metadata = item["multi_modal_data"]["video"][0]
-    assert frames.shape == (4, 56, 56, 3) and metadata["fps"] == 2.0 and metadata["total_num_frames"] == 4
+    assert frames.shape == (4, 56, 56, 3)
+    # The source's timing: 4 of its 8 frames at 4 fps (2 fps sampled, what vLLM derives from it).
+    timing = (metadata["fps"], metadata["total_num_frames"], metadata["frames_indices"])
+    assert timing == (4.0, 8, [0, 2, 5, 7])
     assert item["multi_modal_data"]["image"] == []
     assert item["raw_prompt"][-1]["content"][0] == {"type": "video"}
     expected = get_rope_index(
