@@ -148,8 +148,11 @@ def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
             "rope_type": "default",
             "rope_theta": arch.rope_theta,
             "mrope_section": list(arch.mrope_section),
+            **({"mrope_interleaved": True} if arch.mrope_interleaved else {}),
         },
     )
+    if arch.model_type == "qwen3_vl":
+        text.update(head_dim=arch.head_dim, hidden_act="silu")
     vision = dict(
         depth=v.depth,
         num_heads=v.num_heads,
@@ -166,6 +169,15 @@ def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
             out_hidden_size=v.out_hidden_size,
             window_size=v.window_size,
             fullatt_block_indexes=list(v.fullatt_block_indexes),
+        )
+    elif arch.model_type == "qwen3_vl":
+        vision.update(
+            hidden_size=v.hidden_size,
+            intermediate_size=v.intermediate_size,
+            out_hidden_size=v.out_hidden_size,
+            hidden_act="gelu_pytorch_tanh",
+            num_position_embeddings=v.num_position_embeddings,
+            deepstack_visual_indexes=list(v.deepstack_visual_indexes),
         )
     else:
         vision.update(

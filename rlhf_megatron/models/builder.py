@@ -35,7 +35,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlhf_megatron.models.attention import LatentDotProductAttention, SDPAttention
 from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
-from rlhf_megatron.models.gpt import GPTModelWithPositions
+from rlhf_megatron.models.gpt import GPTModelWithPositions, interleave_mrope
 from rlhf_megatron.models.heads import attach_scalar_head
 from rlhf_megatron.models.moe import (
     enable_moe_without_te,
@@ -416,6 +416,8 @@ def build_gpt_model(
             vp_stage=stage,
             **_rope_kwargs(arch),
         )
+        if arch.mrope_interleaved:
+            interleave_mrope(model)
         if attention_backend == "sdpa" and not vl and parallel.context_parallel_size == 1:
             setattr(model, CAUSAL_ROWS_ATTR, causal_rows)
         if post and not lm:

@@ -208,7 +208,7 @@ def get_arch_spec(arch: ModelArch) -> ArchSpec:
 
 # -- rule lookup ---------------------------------------------------------------
 
-_INDEXES = ("layer", "block", "expert")
+_INDEXES = ("layer", "block", "expert", "deepstack")
 
 
 @functools.cache
@@ -227,10 +227,12 @@ def _index_of(template: str) -> str | None:
 def _count(index: str, arch: ModelArch) -> int:
     if index == "expert":
         return arch.moe.num_experts if arch.moe is not None else 0
+    if index == "deepstack":
+        return len(arch.vision.deepstack_visual_indexes)
     return arch.num_layers if index == "layer" else arch.vision.depth
 
 
-_WHAT = {"layer": "layers", "block": "vision blocks", "expert": "experts"}
+_WHAT = {"layer": "layers", "block": "vision blocks", "expert": "experts", "deepstack": "DeepStack mergers"}
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ vision block, ``{expert}`` a global expert of a sparse layer.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -578,7 +579,7 @@ def deepseek_moe_decoder_rules(mla: bool) -> tuple[ParamRule, ...]:
     )
 
 
-# -- the vision tower (Qwen2-VL, Qwen2.5-VL) -------------------------------------------
+# -- the vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) -----------------------------------
 
 
 def _layernorm(a: ModelArch) -> bool:
@@ -589,8 +590,17 @@ def _swiglu(a: ModelArch) -> bool:
     return a.vision.mlp == "swiglu"
 
 
-def _quick_gelu(a: ModelArch) -> bool:
-    return a.vision.mlp == "quick_gelu"
+def _fc1_fc2(a: ModelArch) -> bool:
+    """fc1 -> activation -> fc2 (Qwen2-VL's QuickGELU, Qwen3-VL's tanh-GELU)."""
+    return a.vision.mlp in ("quick_gelu", "gelu_tanh")
+
+
+def _patch_bias(a: ModelArch) -> bool:
+    return a.vision.patch_bias
+
+
+def _learned_positions(a: ModelArch) -> bool:
+    return a.vision.num_position_embeddings is not None
 
 
 def _vh(a: ModelArch) -> int:
@@ -643,8 +653,9 @@ def _vision_attention_rules(S: str, A: str) -> tuple[ParamRule, ...]:
     )
 
 
-def _vision_mlp_rules(M: str, H: str) -> tuple[ParamRule, ...]:
-    """A block's MLP. Megatron pads its rows (``_vffn``); ``hf_size`` is HF's intermediate size."""
+def _vision_mlp_rules(M: str, H: str, fc: tuple[str, str] = ("fc1", "fc2")) -> tuple[ParamRule, ...]:
+    """A block's MLP. Megatron pads its rows (``_vffn``); ``hf_size`` is HF's intermediate size.
+    ``fc``: HF's names of the two linears of an fc1 -> activation -> fc2 MLP."""
     return (
         # Qwen2.5-VL: SwiGLU with biases.
         ParamRule(
@@ -674,36 +685,36 @@ def _vision_mlp_rules(M: str, H: str) -> tuple[ParamRule, ...]:
             hf_size=_vffn_hf,
         ),
         _copy(M + "linear_fc2.bias", H + "down_proj.bias", shape=_vision_hidden, when=_swiglu),
-        # Qwen2-VL: fc1 -> QuickGELU -> fc2.
+        # Qwen2-VL: fc1 -> QuickGELU -> fc2; Qwen3-VL: linear_fc1 -> tanh-GELU -> linear_fc2.
         _copy(
             M + "linear_fc1.weight",
-            H + "fc1.weight",
+            H + fc[0] + ".weight",
             tp_dim=0,
             shape=lambda a, tp: (_vffn(a, tp), _vh(a)),
-            when=_quick_gelu,
+            when=_fc1_fc2,
             hf_size=_vffn_hf,
         ),
         _copy(
             M + "linear_fc1.bias",
-            H + "fc1.bias",
+            H + fc[0] + ".bias",
             tp_dim=0,
             shape=lambda a, tp: (_vffn(a, tp),),
-            when=_quick_gelu,
+            when=_fc1_fc2,
             hf_size=_vffn_hf,
         ),
         _copy(
             M + "linear_fc2.weight",
-            H + "fc2.weight",
+            H + fc[1] + ".weight",
             tp_dim=1,
             shape=lambda a, tp: (_vh(a), _vffn(a, tp)),
-            when=_quick_gelu,
+            when=_fc1_fc2,
             hf_size=_vffn_hf,
         ),
-        _copy(M + "linear_fc2.bias", H + "fc2.bias", shape=_vision_hidden, when=_quick_gelu),
+        _copy(M + "linear_fc2.bias", H + fc[1] + ".bias", shape=_vision_hidden, when=_fc1_fc2),
     )
 
 
-def _vision_block_rules(V: str, H: str) -> tuple[ParamRule, ...]:
+def _vision_block_rules(V: str, H: str, fc: tuple[str, str] = ("fc1", "fc2")) -> tuple[ParamRule, ...]:
     """A vision block as a megatron TransformerLayer: norm1, attention, norm2, MLP (the
     transformer-engine spec fuses each norm into the linear after it)."""
     return (
@@ -714,52 +725,110 @@ def _vision_block_rules(V: str, H: str) -> tuple[ParamRule, ...]:
         *_vision_norm_rules(
             (V + "pre_mlp_layernorm.weight", V + "mlp.linear_fc1.layer_norm_weight"), H + "norm2"
         ),
-        *_vision_mlp_rules(V + "mlp.", H + "mlp."),
+        *_vision_mlp_rules(V + "mlp.", H + "mlp.", fc),
     )
 
 
-def _merger_rules(M: str, H: str) -> tuple[ParamRule, ...]:
-    """The merger: norm, then a column-parallel fc1 -> GELU -> row-parallel fc2 over m x m patches."""
+def _merger_rules(
+    M: str, H: str, names: tuple[str, str, str] = ("ln_q", "mlp.0", "mlp.2"), postshuffle: bool = False
+) -> tuple[ParamRule, ...]:
+    """The merger: norm, then a column-parallel fc1 -> GELU -> row-parallel fc2 over m x m patches.
+    ``names``: HF's norm, fc1 and fc2; ``postshuffle``: the norm spans the m x m patches (Qwen3-VL's
+    DeepStack mergers) rather than one patch."""
+    norm, fc1, fc2 = names
+    if postshuffle:
+        width = lambda a, tp: (a.vision.merged_hidden_size,)  # noqa: E731
+        norm_rules = (
+            _copy(M + "ln_q.weight", H + norm + ".weight", shape=width),
+            _copy(M + "ln_q.bias", H + norm + ".bias", shape=width, when=_layernorm),
+        )
+    else:
+        norm_rules = _vision_norm_rules((M + "ln_q.weight",), H + norm)
     return (
-        *_vision_norm_rules((M + "ln_q.weight",), H + "ln_q"),
+        *norm_rules,
         _copy(
             M + "mlp.linear_fc1.weight",
-            H + "mlp.0.weight",
+            H + fc1 + ".weight",
             tp_dim=0,
             shape=lambda a, tp: (a.vision.merged_hidden_size,) * 2,
         ),
         _copy(
             M + "mlp.linear_fc1.bias",
-            H + "mlp.0.bias",
+            H + fc1 + ".bias",
             tp_dim=0,
             shape=lambda a, tp: (a.vision.merged_hidden_size,),
         ),
         _copy(
             M + "mlp.linear_fc2.weight",
-            H + "mlp.2.weight",
+            H + fc2 + ".weight",
             tp_dim=1,
             shape=lambda a, tp: (a.vision.out_hidden_size, a.vision.merged_hidden_size),
         ),
-        _copy(M + "mlp.linear_fc2.bias", H + "mlp.2.bias", shape=lambda a, tp: (a.vision.out_hidden_size,)),
+        _copy(M + "mlp.linear_fc2.bias", H + fc2 + ".bias", shape=lambda a, tp: (a.vision.out_hidden_size,)),
+    )
+
+
+def _patch_embed_rule() -> ParamRule:
+    """HF's Conv3d weight ``[hidden, C, T, P, P]``, replicated."""
+    return _copy(
+        "vision_model.patch_embed.weight",
+        "visual.patch_embed.proj.weight",
+        shape=lambda a, tp: (
+            _vh(a),
+            a.vision.in_channels,
+            a.vision.temporal_patch_size,
+            *[a.vision.patch_size] * 2,
+        ),
     )
 
 
 def vision_rules() -> tuple[ParamRule, ...]:
     """The vision tower under ``vision_model.``: megatron TransformerLayers as ``decoder.layers.{block}``."""
     return (
-        _copy(
-            "vision_model.patch_embed.weight",
-            "visual.patch_embed.proj.weight",
-            shape=lambda a, tp: (
-                _vh(a),
-                a.vision.in_channels,
-                a.vision.temporal_patch_size,
-                *[a.vision.patch_size] * 2,
-            ),
-        ),
+        _patch_embed_rule(),
         *_vision_block_rules("vision_model.decoder.layers.{block}.", "visual.blocks.{block}."),
         *_merger_rules("vision_model.merger.", "visual.merger."),
     )
+
+
+def qwen3_vision_rules() -> tuple[ParamRule, ...]:
+    """Qwen3-VL's tower: the patch embedding with its bias, the learned positions, LayerNorm blocks
+    with a tanh-GELU MLP, the merger and the DeepStack mergers (``{deepstack}``)."""
+    fc = ("linear_fc1", "linear_fc2")
+    merger = ("norm", "linear_fc1", "linear_fc2")
+    return (
+        _patch_embed_rule(),
+        _copy(
+            "vision_model.patch_embed.bias",
+            "visual.patch_embed.proj.bias",
+            shape=_vision_hidden,
+            when=_patch_bias,
+        ),
+        _copy(
+            "vision_model.pos_embed",
+            "visual.pos_embed.weight",
+            shape=lambda a, tp: (a.vision.num_position_embeddings, _vh(a)),
+            when=_learned_positions,
+        ),
+        *_vision_block_rules("vision_model.decoder.layers.{block}.", "visual.blocks.{block}.", fc),
+        *_merger_rules("vision_model.merger.", "visual.merger.", merger),
+        *_merger_rules(
+            "vision_model.deepstack_mergers.{deepstack}.",
+            "visual.deepstack_merger_list.{deepstack}.",
+            merger,
+            postshuffle=True,
+        ),
+    )
+
+
+def _rehomed(rules: tuple[ParamRule, ...], prefixes: dict[str, str]) -> tuple[ParamRule, ...]:
+    """``rules`` with HF names moved to other prefixes (the first matching prefix of each name)."""
+
+    def move(name: str) -> str:
+        old = next((p for p in prefixes if name.startswith(p)), None)
+        return name if old is None else prefixes[old] + name[len(old) :]
+
+    return tuple(dataclasses.replace(r, hf=tuple(move(n) for n in r.hf)) for r in rules)
 
 
 _TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -771,10 +840,21 @@ _VL_SPEC = ArchSpec(
     # transformers 5.x may save the tower and the language model under model.*.
     hf_aliases=(("visual.", "model.visual."), ("model.", "model.language_model.")),
 )
+# Qwen3-VL checkpoints (the hub's and transformers 5's) keep the tower under model.visual.* and the
+# language model under model.language_model.*, the names vLLM's Qwen3-VL loads; older layouts alias.
+_QWEN3_VL_SPEC = ArchSpec(
+    ("qwen3_vl",),
+    _rehomed(
+        qwen3_vision_rules() + decoder_rules("language_model."),
+        {"visual.": "model.visual.", "model.": "model.language_model."},
+    ),
+    hf_aliases=(("model.visual.", "visual."), ("model.language_model.", "model.")),
+)
 SPECS: dict[str, ArchSpec] = {
     **{t: ArchSpec((t,), decoder_rules()) for t in _TEXT_TYPES},
     **{t: ArchSpec((t,), decoder_rules(moe=names)) for t, names in _MOE_TYPES.items()},
     **dict.fromkeys(_VL_TYPES, _VL_SPEC),
+    "qwen3_vl": _QWEN3_VL_SPEC,
     "deepseek_v3": ArchSpec(("deepseek_v3",), deepseek_moe_decoder_rules(mla=True)),
     "glm4_moe": ArchSpec(("glm4_moe",), deepseek_moe_decoder_rules(mla=False)),
 }

@@ -368,8 +368,13 @@ def build_tiny_qwen2_5_vl(
     tie_word_embeddings: bool = False,
     seed: int = 0,
 ):
-    """A random Qwen2.5-VL (``family="qwen2_vl"``: Qwen2-VL) and the tiny VL processor:
-    ``(model, processor)``.
+    """A random Qwen2.5-VL (``family="qwen2_vl"``: Qwen2-VL; ``"qwen3_vl"``: Qwen3-VL) and the
+    tiny VL processor: ``(model, processor)``.
+
+    Qwen3-VL: 16-pixel patches, a 4 x 4 grid of learned positions, LayerNorm blocks with a
+    tanh-GELU MLP, DeepStack after vision blocks 0 and ``vision_depth - 1`` (two levels, so the
+    language model needs at least 2 layers on its first pipeline stage), Qwen3's q/k norms and
+    interleaved M-RoPE, ``head_dim`` given apart from hidden / heads.
 
     Defaults: vision depth 2 (block 0 windowed over 2 x 2 merged tokens, block 1 full
     attention), width 128 in 4 heads of 32, MLP 252 (not a multiple of 8: megatron pads it;
@@ -381,9 +386,11 @@ def build_tiny_qwen2_5_vl(
 
     from rlhf_megatron.data.tokenizer import build_tiny_vl_processor
 
-    if family not in ("qwen2_5_vl", "qwen2_vl"):
-        raise ValueError(f"tiny vision-language model: family {family!r} is not 'qwen2_5_vl' or 'qwen2_vl'")
-    processor = build_tiny_vl_processor()
+    if family not in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
+        raise ValueError(
+            f"tiny vision-language model: family {family!r} is not 'qwen2_5_vl', 'qwen2_vl' or 'qwen3_vl'"
+        )
+    processor = build_tiny_vl_processor(family=family) if family == "qwen3_vl" else build_tiny_vl_processor()
     tokenizer = processor.tokenizer
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _VL_TOKENS.items()}
     text = dict(
@@ -413,7 +420,19 @@ def build_tiny_qwen2_5_vl(
         temporal_patch_size=image.temporal_patch_size,
         spatial_merge_size=image.merge_size,
     )
-    if family == "qwen2_5_vl":
+    if family == "qwen3_vl":
+        text["head_dim"] = hidden_size // num_heads
+        # What Qwen's released configs say; vLLM reads it (transformers interleaves regardless).
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(
+            hidden_size=vision_hidden_size,
+            intermediate_size=vision_intermediate_size or 252,
+            out_hidden_size=hidden_size,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, vision_depth - 1],
+        )
+        config_cls, model_cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
         vision.update(
             hidden_size=vision_hidden_size,
             intermediate_size=vision_intermediate_size or 252,
@@ -437,7 +456,7 @@ def build_tiny_qwen2_5_vl(
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
+            if "norm" in name or "ln_q" in name:  # Qwen3-VL's merger norms are "norm" too
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))

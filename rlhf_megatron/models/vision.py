@@ -1,4 +1,4 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower on megatron-core layers.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower on megatron-core layers.
 
 ``VisionTransformer(vision, config, use_te)`` turns ``pixel_values``
 ``[num_patches, C·T·P·P]`` of some images (``grid_thw`` ``[num_images, 3]``)
@@ -29,6 +29,13 @@ receive.
   fc1 -> GELU -> fc2: megatron's ``MLP`` (column-parallel fc1, row-parallel
   fc2), so its 45M parameters (Qwen2.5-VL-7B) and their optimizer state are
   split over TP like the blocks', with megatron's checkpoint sharding.
+- Qwen3-VL adds a bias to the patch embedding, a learned square grid of
+  position embeddings bilinearly resampled to each image's patch grid (HF's
+  ``align_corners=True`` taps, summed in HF's order so the result is bitwise
+  HF's) and added after the patch embedding, and DeepStack: after each block of
+  ``deepstack_visual_indexes`` a merger of its own, whose norm comes after the
+  ``m²`` patches are put side by side, makes LM-width features that the
+  language model adds after its first layers (``forward_with_deepstack``).
 
 The masks are dense ``[1, 1, S, S]`` booleans (what megatron's local attention
 takes); memory grows with the square of a micro-batch's patch count.
@@ -36,6 +43,8 @@ takes); memory grows with the square of a micro-batch's patch count.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +65,11 @@ __all__ = ["VisionLayout", "VisionTransformer", "vision_layout", "vision_transfo
 def vision_transformer_config(vision: VisionArch, lm: TransformerConfig) -> TransformerConfig:
     """The tower's megatron config: its own sizes, the language model's TP size, dtype and init."""
     swiglu = vision.mlp == "swiglu"
+    activation = {
+        "swiglu": F.silu,
+        "quick_gelu": quick_gelu,
+        "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    }[vision.mlp]
     return TransformerConfig(
         num_layers=vision.depth,
         hidden_size=vision.hidden_size,
@@ -66,7 +80,7 @@ def vision_transformer_config(vision: VisionArch, lm: TransformerConfig) -> Tran
         normalization="RMSNorm" if vision.norm == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=vision.norm_eps,
         gated_linear_unit=swiglu,
-        activation_func=F.silu if swiglu else quick_gelu,
+        activation_func=activation,
         add_bias_linear=True,
         add_qkv_bias=True,
         hidden_dropout=0.0,
@@ -161,11 +175,56 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
     return VisionLayout(order, restore, _block_mask(frames, device), window_mask, _rotary(position, vision))
 
 
+def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps (``align_corners=True``) of target positions ``index`` on axes of length
+    ``size`` into a ``side``-long source axis: ``[N, 2]`` source indices and weights."""
+    src = index.float() * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2, device=index.device)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def position_taps(grid_thw: torch.Tensor, vision: VisionArch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL's learned positions resampled to each image: ``[S, 4]`` rows of the
+    ``side x side`` table and their bilinear weights, per patch in the processor's
+    (merge-unit) order."""
+    side, m = math.isqrt(vision.num_position_embeddings), vision.spatial_merge_size
+    rows, cols, heights, widths = [], [], [], []
+    for t, h, w in grid_thw.tolist():
+        # Patches arrive merge-unit by merge-unit: (h / m, w / m, m, m) order, every frame alike.
+        r = torch.arange(h)[:, None].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+        c = torch.arange(w)[None, :].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
+        rows.append(r.repeat(t))
+        cols.append(c.repeat(t))
+        heights.append(torch.full((t * h * w,), h))
+        widths.append(torch.full((t * h * w,), w))
+    device = grid_thw.device
+    row_taps, row_weights = _axis_taps(torch.cat(rows), torch.cat(heights), side)
+    col_taps, col_weights = _axis_taps(torch.cat(cols), torch.cat(widths), side)
+    index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    weight = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
+    return index.to(device), weight.to(device)
+
+
 # -- modules ------------------------------------------------------------------------------
 
 
+def _replicated(shape, config: TransformerConfig, generator: torch.Generator | None) -> torch.nn.Parameter:
+    """A parameter every TP rank holds whole, drawn from ``generator`` (the same on every rank)."""
+    # Where megatron puts its own parameters: the GPU unless it initialises on CPU.
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    param = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
+    if config.perform_initialization:
+        with torch.no_grad():
+            param.copy_(torch.randn(shape, generator=generator) * config.init_method_std)
+    return param
+
+
 class PatchEmbed(torch.nn.Module):
-    """HF's bias-free Conv3d over (T, P, P) patches as a linear map; weight ``[hidden, C, T, P, P]``."""
+    """HF's Conv3d over (T, P, P) patches as a linear map; weight ``[hidden, C, T, P, P]``, and
+    Qwen3-VL's bias."""
 
     def __init__(self, vision: VisionArch, config: TransformerConfig, seed: int = 0):
         super().__init__()
@@ -176,17 +235,13 @@ class PatchEmbed(torch.nn.Module):
             vision.patch_size,
             vision.patch_size,
         )
-        # Where megatron puts its own parameters: the GPU unless it initialises on CPU.
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
-        if config.perform_initialization:
-            # Replicated over TP: the same values on every rank, not from megatron's per-rank stream.
-            g = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                self.weight.copy_(torch.randn(shape, generator=g) * config.init_method_std)
+        # Replicated over TP: the same values on every rank, not from megatron's per-rank stream.
+        g = torch.Generator().manual_seed(seed)
+        self.weight = _replicated(shape, config, g)
+        self.bias = _replicated((vision.hidden_size,), config, g) if vision.patch_bias else None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return F.linear(pixel_values.to(self.weight.dtype), self.weight.flatten(1))  # (S, hidden)
+        return F.linear(pixel_values.to(self.weight.dtype), self.weight.flatten(1), self.bias)  # (S, hidden)
 
 
 def _specs(vision: VisionArch, use_te: bool):
@@ -238,12 +293,17 @@ _INHERITED = (
 
 
 class PatchMerger(MegatronModule):
-    """Norm, then ``m²`` neighbouring patches side by side through fc1 -> GELU -> fc2 (megatron's MLP)."""
+    """Norm, then ``m²`` neighbouring patches side by side through fc1 -> GELU -> fc2 (megatron's MLP).
 
-    def __init__(self, vision: VisionArch, config: TransformerConfig, norm, column, row):
+    ``postshuffle``: the norm comes after the patches are put side by side, over all ``m²`` of
+    them (Qwen3-VL's DeepStack mergers)."""
+
+    def __init__(self, vision: VisionArch, config: TransformerConfig, norm, column, row, postshuffle=False):
         super().__init__(config=config)
         self.merged = vision.merged_hidden_size
-        self.ln_q = build_module(norm, config=config, hidden_size=vision.hidden_size, eps=vision.norm_eps)
+        self.postshuffle = postshuffle
+        width = self.merged if postshuffle else vision.hidden_size
+        self.ln_q = build_module(norm, config=config, hidden_size=width, eps=vision.norm_eps)
         mlp_config = TransformerConfig(
             **{
                 **{f: getattr(config, f) for f in _INHERITED},
@@ -257,9 +317,29 @@ class PatchMerger(MegatronModule):
         self.mlp = MLP(mlp_config, MLPSubmodules(linear_fc1=column, linear_fc2=row), input_size=self.merged)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        x = self.ln_q(patches).reshape(-1, 1, self.merged)  # (S / m², 1, m² hidden)
+        if self.postshuffle:
+            x = self.ln_q(patches.reshape(-1, 1, self.merged))
+        else:
+            x = self.ln_q(patches).reshape(-1, 1, self.merged)  # (S / m², 1, m² hidden)
         out, bias = self.mlp(x)
         return (out if bias is None else out + bias)[:, 0]  # (S / m², out_hidden)
+
+
+class MergerList(MegatronModule):
+    """The DeepStack mergers as children ``0``, ``1``, ...: a megatron module, so that megatron's
+    ``sharded_state_dict`` reaches their TP-split linears (a ``torch.nn.ModuleList`` would be
+    saved as if replicated)."""
+
+    def __init__(self, config: TransformerConfig, mergers: list[PatchMerger]):
+        super().__init__(config=config)
+        for i, merger in enumerate(mergers):
+            self.add_module(str(i), merger)
+
+    def __getitem__(self, i: int) -> PatchMerger:
+        return self._modules[str(i)]
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 class VisionTransformer(MegatronModule):
@@ -270,21 +350,48 @@ class VisionTransformer(MegatronModule):
         self.vision = vision
         spec, norm, column, row = _specs(vision, use_te)
         self.patch_embed = PatchEmbed(vision, config, seed)
+        self.pos_embed = None
+        if vision.num_position_embeddings is not None:
+            g = torch.Generator().manual_seed(seed + 1)
+            self.pos_embed = _replicated((vision.num_position_embeddings, vision.hidden_size), config, g)
         self.decoder = TransformerBlock(
             config, spec, post_layer_norm=False, pre_process=True, post_process=False
         )
         self.merger = PatchMerger(vision, config, norm, column, row)
+        self.deepstack_mergers = MergerList(
+            config,
+            [
+                PatchMerger(vision, config, norm, column, row, postshuffle=True)
+                for _ in vision.deepstack_visual_indexes
+            ],
+        )
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``[S, C·T·P·P]`` patches of images ``[N, 3]`` -> ``[S / m², out_hidden]`` merged tokens."""
+        return self.forward_with_deepstack(pixel_values, grid_thw)[0]
+
+    def forward_with_deepstack(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The merged tokens and, in ``deepstack_visual_indexes`` order, the DeepStack features
+        (each ``[S / m², out_hidden]``, the same token order; none without DeepStack)."""
         layout = vision_layout(grid_thw, self.vision, pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # (S, hidden)
+        if self.pos_embed is not None:
+            index, weight = position_taps(grid_thw, self.vision)
+            hidden = hidden + (self.pos_embed[index] * weight[:, :, None]).sum(1).to(hidden.dtype)
         if layout.order is not None:
             hidden = hidden[layout.order]
         hidden = hidden[:, None]  # (S, 1, hidden): megatron's [s, b, h]
+        deepstack = []
         for block, layer in enumerate(self.decoder.layers):
             full = self.vision.full_attention(block) or layout.window_mask is None
             mask = layout.full_mask if full else layout.window_mask
             hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=layout.rotary)
+            if block in self.vision.deepstack_visual_indexes:
+                which = self.vision.deepstack_visual_indexes.index(block)
+                deepstack.append(self.deepstack_mergers[which](hidden[:, 0]))
         merged = self.merger(hidden[:, 0])
-        return merged if layout.restore is None else merged[layout.restore]
+        if layout.restore is not None:
+            merged, deepstack = merged[layout.restore], [d[layout.restore] for d in deepstack]
+        return merged, deepstack

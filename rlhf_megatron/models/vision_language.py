@@ -15,6 +15,12 @@ its parameters, the pipeline schedules call ``set_input_tensor`` (delegated),
 ``vision_model.*``). Parameter names follow: ``language_model.decoder.layers.N.…``
 and ``vision_model.decoder.layers.B.…`` (see ``spec_rules.py``).
 
+Qwen3-VL's DeepStack features (one ``[S, B, H]`` tensor per level, zero away from the
+visual tokens, split along S under SP) travel into the decoder as its ``context`` argument,
+which megatron hands to every layer and keeps as a checkpoint input under full recomputation;
+a forward hook on decoder layer ``i`` adds level ``i`` to that layer's output, as transformers
+adds them after its first layers. The first chunk must therefore hold those layers.
+
 ``freeze_vision_tower`` turns the tower's gradients off; call it before
 wrapping the chunks in megatron's DDP so neither DDP nor the optimizer holds
 state for it. A frozen tower then runs without autograd.
@@ -22,6 +28,7 @@ state for it. A frozen tower then runs without autograd.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +60,7 @@ class VisionLanguageModel(MegatronModule):
         self.image_token_id = arch.image_token_id
         self.video_token_id = arch.video_token_id
         self.tokens_per_second = arch.vision.tokens_per_second
+        self.frames_apart = arch.vision.frames_apart
         self.spatial_merge_size = arch.vision.spatial_merge_size
         self.patch_dim = arch.vision.patch_dim
         # Read by megatron's schedules and finalize_model_grads (tied embeddings over stages).
@@ -60,6 +68,9 @@ class VisionLanguageModel(MegatronModule):
         self.pre_process = language_model.pre_process
         self.post_process = language_model.post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+        self.deepstack_levels = len(arch.vision.deepstack_visual_indexes)
+        if self.deepstack_levels and self.pre_process:
+            _hook_deepstack(language_model, self.deepstack_levels)
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.language_model.shared_embedding_or_output_weight()
@@ -89,34 +100,50 @@ class VisionLanguageModel(MegatronModule):
             )
         decoder_input = None
         if self.pre_process:
-            decoder_input = self._embed(
+            decoder_input, deepstack = self._embed(
                 input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
             )
+            if deepstack is not None:
+                kwargs["extra_block_kwargs"] = {
+                    **(kwargs.get("extra_block_kwargs") or {}),
+                    "context": deepstack,
+                }
         return self.language_model(
             input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs
         )
 
     def _embed(
         self, input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
-    ) -> torch.Tensor:
-        """``[S, B, H]`` token embeddings with the images and videos written in (split along S under SP)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[S, B, H]`` token embeddings with the images and videos written in, and the DeepStack
+        features ``[levels, S, B, H]`` (None without DeepStack or visuals); split along S under SP."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # (S, B, H), full
-        embeddings = self._write_visuals(embeddings, input_ids, pixel_values, image_grid_thw, "image")
+        deepstack = [torch.zeros_like(embeddings) for _ in range(self.deepstack_levels)]
+        embeddings, images = self._write_visuals(
+            embeddings, deepstack, input_ids, pixel_values, image_grid_thw, "image"
+        )
+        videos = False
         if self.video_token_id is not None:
-            embeddings = self._write_visuals(
-                embeddings, input_ids, pixel_values_videos, video_grid_thw, "video"
+            embeddings, videos = self._write_visuals(
+                embeddings, deepstack, input_ids, pixel_values_videos, video_grid_thw, "video"
             )
         elif pixel_values_videos is not None:
             raise ValueError(
                 "pixel_values_videos were given but the model's config.json names no video_token_id"
             )
+        if not (images or videos):
+            deepstack = []
         if self.config.sequence_parallel:
             # The language model was built not to scatter its embeddings; the images had to go in first.
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
-        return embeddings
+            deepstack = [tensor_parallel.scatter_to_sequence_parallel_region(d) for d in deepstack]
+        return embeddings, torch.stack(deepstack) if deepstack else None
 
-    def _write_visuals(self, embeddings, input_ids, pixels, grids, kind: str) -> torch.Tensor:
-        """``embeddings`` with the vision tower's output for ``pixels`` at the ``kind``'s token."""
+    def _write_visuals(
+        self, embeddings, deepstack: list[torch.Tensor], input_ids, pixels, grids, kind: str
+    ) -> tuple[torch.Tensor, bool]:
+        """``embeddings`` with the vision tower's output for ``pixels`` at the ``kind``'s token
+        (``deepstack`` levels likewise, in place of the list's items), and whether there was any."""
         token = self.image_token_id if kind == "image" else self.video_token_id
         rows = images_per_row(input_ids, grids, token, self.spatial_merge_size, kind)
         present = bool(rows) and rows[-1][1] > 0
@@ -130,12 +157,37 @@ class VisionLanguageModel(MegatronModule):
                 else f"{names[0]} were given but no row has {kind} tokens (and {names[1]} is empty)"
             )
         if not present:
-            return embeddings
+            return embeddings, False
         check_pixel_values(pixels, grids, self.patch_dim, kind)
         frozen = not any(p.requires_grad for p in self.vision_model.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-            embeds = self.vision_model(pixels, grids)  # (tokens of this kind, H)
-        return scatter_image_embeddings(embeddings, input_ids, embeds, token, kind)
+            embeds, features = self.vision_model.forward_with_deepstack(pixels, grids)  # (tokens, H)
+        for level, feature in enumerate(features):
+            deepstack[level] = scatter_image_embeddings(deepstack[level], input_ids, feature, token, kind)
+        return scatter_image_embeddings(embeddings, input_ids, embeds, token, kind), True
+
+
+def _hook_deepstack(language_model: GPTModel, levels: int) -> None:
+    """Add DeepStack level ``i`` (the decoder's ``context[i]``) to decoder layer ``i``'s output."""
+    first = [layer for layer in language_model.decoder.layers if layer.layer_number - 1 < levels]
+    if len(first) < levels:
+        raise ValueError(
+            f"the model adds DeepStack features after its first {levels} decoder layers, which must all "
+            f"sit on the first pipeline chunk; it holds {len(language_model.decoder.layers)}: lower "
+            "pipeline_model_parallel_size / virtual_pipeline_model_parallel_size or put more layers first"
+        )
+    for layer in first:
+        layer.register_forward_hook(
+            functools.partial(_add_deepstack, layer.layer_number - 1), with_kwargs=True
+        )
+
+
+def _add_deepstack(level: int, module, args, kwargs, output):
+    context = kwargs.get("context")
+    if context is None:
+        return output
+    hidden, context_out = output
+    return hidden + context[level], context_out
 
 
 def vision_language_model(chunk: torch.nn.Module) -> VisionLanguageModel | None:

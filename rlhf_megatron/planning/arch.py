@@ -112,9 +112,10 @@ class ParamCount:
 
 
 def count_vision_parameters(vision: VisionArch) -> int:
-    """Patch embedding (no bias), ``depth`` blocks (norms, fused QKV and output projection with
-    biases, SwiGLU or fc1/fc2 MLP with biases) and the merger (norm, two biased linears), as HF
-    stores them (the MLP unpadded)."""
+    """Patch embedding (Qwen3-VL's with a bias), Qwen3-VL's learned positions, ``depth`` blocks
+    (norms, fused QKV and output projection with biases, SwiGLU or fc1/fc2 MLP with biases), the
+    merger (norm, two biased linears) and Qwen3-VL's DeepStack mergers (their norm over the merged
+    width), as HF stores them (the MLP unpadded)."""
     h, f, merged, out = (
         vision.hidden_size,
         vision.intermediate_size,
@@ -125,8 +126,12 @@ def count_vision_parameters(vision: VisionArch) -> int:
     attention = (h * 3 * h + 3 * h) + (h * h + h)
     mlp_in = 2 * (h * f + f) if vision.mlp == "swiglu" else h * f + f
     block = 2 * norm + attention + mlp_in + f * h + h
-    merger = norm + (merged * merged + merged) + (merged * out + out)
-    return h * vision.patch_dim + vision.depth * block + merger
+    linears = (merged * merged + merged) + (merged * out + out)
+    merger = norm + linears
+    deepstack = len(vision.deepstack_visual_indexes) * (2 * merged + linears)  # LayerNorm over merged
+    patch = h * vision.patch_dim + (h if vision.patch_bias else 0)
+    positions = (vision.num_position_embeddings or 0) * h
+    return patch + positions + vision.depth * block + merger + deepstack
 
 
 def count_attention_parameters(arch: ModelArch) -> int:

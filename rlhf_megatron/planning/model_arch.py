@@ -15,7 +15,8 @@ DeepSeekMoE's sigmoid router with a score-correction bias, group-limited top-k a
 experts, over grouped-query attention with partial rotary and optional q/k norms); and the
 vision-language
 Qwen2-VL and Qwen2.5-VL (``*ForConditionalGeneration``: a Qwen2 language model
-with M-RoPE plus a vision tower, described by ``VisionArch``). Anything else is
+with M-RoPE plus a vision tower, described by ``VisionArch``) and Qwen3-VL (a Qwen3 language
+model with interleaved M-RoPE and DeepStack features from the tower). Anything else is
 rejected here, with the list of what is supported, so an unsupported model never
 reaches megatron.
 
@@ -88,6 +89,7 @@ _FAMILIES: dict[str, _Family] = {
     "glm4_moe": _Family("Glm4Moe", False, False, _TEXT_HEADS, norm_eps=1e-5, moe=True),
     "qwen2_vl": _Family("Qwen2VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
     "qwen2_5_vl": _Family("Qwen2_5_VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
+    "qwen3_vl": _Family("Qwen3VL", False, True, _VL_HEADS, vision=True),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f.prefix + suffix for f in _FAMILIES.values() for suffix in f.heads
@@ -187,7 +189,7 @@ class MLAArch:
 
 @dataclass(frozen=True)
 class VisionArch:
-    """The vision tower of Qwen2-VL / Qwen2.5-VL (HF ``vision_config``)."""
+    """The vision tower of Qwen2-VL / Qwen2.5-VL / Qwen3-VL (HF ``vision_config``)."""
 
     depth: int
     """Transformer blocks."""
@@ -208,14 +210,27 @@ class VisionArch:
     fullatt_block_indexes: tuple[int, ...]
     """Blocks attending over the whole image (every block when ``window_size`` is None)."""
     norm: Literal["rmsnorm", "layernorm"]
-    """Block and merger norms: RMSNorm (Qwen2.5-VL) or LayerNorm with bias (Qwen2-VL)."""
-    mlp: Literal["swiglu", "quick_gelu"]
-    """SwiGLU with biases (Qwen2.5-VL) or fc1 -> QuickGELU -> fc2 (Qwen2-VL)."""
+    """Block and merger norms: RMSNorm (Qwen2.5-VL) or LayerNorm with bias (Qwen2-VL, Qwen3-VL)."""
+    mlp: Literal["swiglu", "quick_gelu", "gelu_tanh"]
+    """SwiGLU with biases (Qwen2.5-VL), fc1 -> QuickGELU -> fc2 (Qwen2-VL) or fc1 -> tanh-GELU ->
+    fc2 (Qwen3-VL's ``gelu_pytorch_tanh``)."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tokens_per_second: float | None = None
     """Qwen2.5-VL: M-RoPE time positions per second of video (a video's temporal patch ``k``
     sits at ``int(k * second_per_grid * tokens_per_second)``); None: one per patch (Qwen2-VL)."""
+    patch_bias: bool = False
+    """The patch embedding (HF's Conv3d) has a bias (Qwen3-VL)."""
+    num_position_embeddings: int | None = None
+    """Qwen3-VL: a learned ``sqrt(n) x sqrt(n)`` grid of position embeddings, bilinearly
+    resampled to each image's patch grid and added after the patch embedding; None: none."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    """Qwen3-VL's DeepStack: after each of these blocks a merger of its own (LayerNorm over the
+    ``m x m`` patches side by side) turns the block's output into LM-width features, which are
+    added to the visual tokens' hidden states after decoder layer 0, 1, ... in order."""
+    frames_apart: bool = False
+    """Qwen3-VL: each video frame is its own run of video tokens, after a ``<t seconds>``
+    timestamp in text; M-RoPE numbers every frame as a one-frame image (no time scaling)."""
 
     @property
     def head_dim(self) -> int:
@@ -338,6 +353,10 @@ class ModelArch:
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE: rotary frequency pairs given to the (time, height, width) position streams;
     sums to head_dim / 2."""
+    mrope_interleaved: bool = False
+    """Qwen3-VL's interleaved M-RoPE: frequency pair ``j`` follows height when ``j % 3 == 1`` and
+    ``j < 3 x mrope_section[1]``, width when ``j % 3 == 2`` and ``j < 3 x mrope_section[2]``,
+    time otherwise (Qwen2-VL / Qwen2.5-VL: consecutive sections)."""
     image_token_id: int | None = None
     """The ``<|image_pad|>`` token: one per merged image patch; its embeddings are the vision
     tower's output."""
@@ -412,6 +431,7 @@ class ModelArch:
         if data.get("vision") is not None:
             vision = dict(data["vision"])
             vision["fullatt_block_indexes"] = tuple(vision["fullatt_block_indexes"])
+            vision["deepstack_visual_indexes"] = tuple(vision.get("deepstack_visual_indexes", ()))
             data["vision"] = VisionArch(**vision)
         if data.get("mrope_section") is not None:
             data["mrope_section"] = tuple(data["mrope_section"])
@@ -469,7 +489,8 @@ class ModelArch:
                 f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
             )
         # transformers' Qwen2-VL attention derives head_dim from hidden / heads, whatever config says.
-        head_dim = hidden // heads if family.vision else int(text.get("head_dim") or hidden // heads)
+        qwen2_vision = model_type in ("qwen2_vl", "qwen2_5_vl")
+        head_dim = hidden // heads if qwen2_vision else int(text.get("head_dim") or hidden // heads)
         if mla is not None:
             head_dim = mla.q_head_dim  # HF's head_dim there is the rotary part only
         theta, scaling = _rope(text, source, allow_mrope=family.vision, allow_yarn=mla is not None)
@@ -853,11 +874,25 @@ def _vision_fields(
     if vision.out_hidden_size != hidden:
         raise UnsupportedModelError(
             f"{source}: the vision merger outputs {vision.out_hidden_size} values per token "
-            f"(vision_config.{'out_hidden_size' if model_type == 'qwen2_5_vl' else 'hidden_size'}) but the "
+            f"(vision_config.{'hidden_size' if model_type == 'qwen2_vl' else 'out_hidden_size'}) but the "
             f"language model's hidden_size is {hidden}; they must be equal"
         )
+    layers = int(text["num_hidden_layers"])
+    if len(vision.deepstack_visual_indexes) > layers:
+        raise UnsupportedModelError(
+            f"{source}: vision_config.deepstack_visual_indexes has {len(vision.deepstack_visual_indexes)} "
+            f"entries but the language model has only {layers} layers to add them to"
+        )
     tokens = {k: int(config.get(k, text.get(k, v))) for k, v in _VL_TOKEN_DEFAULTS.items()}
-    return {"vision": vision, "mrope_section": section, **tokens}
+    interleaved = model_type == "qwen3_vl"
+    if interleaved and rope.get("mrope_interleaved") is not True:
+        # transformers always interleaves Qwen3-VL's sections; vLLM only when the config says so.
+        raise UnsupportedModelError(
+            f'{source}: a qwen3_vl config needs "mrope_interleaved": true in text_config.rope_parameters '
+            "(or rope_scaling), as Qwen's released configs have it: without it vLLM rotates the M-RoPE "
+            "sections one after another while transformers and the trainer interleave them"
+        )
+    return {"vision": vision, "mrope_section": section, "mrope_interleaved": interleaved, **tokens}
 
 
 def _vision_arch(v: dict[str, Any] | None, model_type: str, source: str) -> VisionArch:
@@ -893,6 +928,38 @@ def _vision_arch(v: dict[str, Any] | None, model_type: str, source: str) -> Visi
                 f"{source}: vision_config.window_size={window} is smaller than one merged token "
                 f"(patch_size x spatial_merge_size = {vision.patch_size * vision.spatial_merge_size} pixels)"
             )
+    elif model_type == "qwen3_vl":
+        # LayerNorm, fc1 -> tanh-GELU -> fc2, full attention, learned positions, DeepStack.
+        act, want = v.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"
+        depth = common["depth"] = int(v.get("depth", 27))
+        positions = int(v.get("num_position_embeddings", 2304))
+        if math.isqrt(positions) ** 2 != positions:
+            raise UnsupportedModelError(
+                f"{source}: vision_config.num_position_embeddings={positions} is not a square "
+                "(the learned positions form a square grid)"
+            )
+        deepstack = tuple(int(b) for b in v.get("deepstack_visual_indexes", (8, 16, 24)))
+        bad = [b for b in deepstack if not 0 <= b < depth]
+        if bad or len(set(deepstack)) != len(deepstack):
+            raise UnsupportedModelError(
+                f"{source}: vision_config.deepstack_visual_indexes {list(deepstack)} must name distinct "
+                f"blocks of the {depth}"
+            )
+        common["patch_size"] = int(v.get("patch_size", 16))
+        vision = VisionArch(
+            hidden_size=int(v.get("hidden_size", 1152)),
+            intermediate_size=int(v.get("intermediate_size", 4304)),
+            out_hidden_size=int(v.get("out_hidden_size", 3584)),
+            window_size=None,
+            fullatt_block_indexes=tuple(range(depth)),
+            norm="layernorm",
+            mlp="gelu_tanh",
+            patch_bias=True,
+            num_position_embeddings=positions,
+            deepstack_visual_indexes=deepstack,
+            frames_apart=True,
+            **common,
+        )
     else:  # qwen2_vl: LayerNorm, fc1 -> QuickGELU -> fc2, full attention everywhere
         act, want = v.get("hidden_act", "quick_gelu"), "quick_gelu"
         embed = int(v.get("embed_dim", 1280))

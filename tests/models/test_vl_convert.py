@@ -1,5 +1,6 @@
-"""``convert`` for Qwen2.5-VL: HF -> megatron (TP2 x PP2) -> HF is bit-exact, loads in transformers
-with the same logits, and the processor, tokenizer and chat template travel with it."""
+"""``convert`` for Qwen2.5-VL and Qwen3-VL: HF -> megatron (TP2 x PP2) -> HF is bit-exact, loads in
+transformers with the same logits (Qwen3-VL: on an image batch and a video batch), and the
+processor, tokenizer and chat template travel with it."""
 
 from __future__ import annotations
 
@@ -38,12 +39,35 @@ def converted(tmp_path_factory):
     shutil.copytree(ckpt, bare)
     for name in ("config.json", "generation_config.json"):
         (bare / name).unlink()
+    # Qwen3-VL: DeepStack mergers split over TP, learned positions, layers on two stages.
+    q3 = tiny_vl.make_model_dir(root, "qwen3_vl", num_layers=4)
+    q3_model = tiny_vl.load_hf(q3)
+    q3_batches = {"images": tiny_vl.image_batch(q3), "video": tiny_vl.video_batch(q3)}
+    q3_refs = {k: tiny_vl.hf_logits(q3_model, b) for k, b in q3_batches.items()}
+    q3_ckpt, q3_out, q3_bare, q3_bare_out = (
+        root / n for n in ("q3-mcore", "q3-out", "q3-bare", "q3-bare-out")
+    )
+    assert main(["hf-to-mcore", "--hf", str(q3), "--out", str(q3_ckpt), "--tp", "2", "--pp", "2"]) == 0
+    shutil.copytree(q3_ckpt, q3_bare)
+    for name in ("config.json", "generation_config.json"):
+        (q3_bare / name).unlink()
     proc = _export_in_subprocess(
         ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--no-progress"],
         ["mcore-to-hf", "--ckpt", str(bare), "--out", str(bare_out), "--no-progress", "--no-verify"],
+        ["mcore-to-hf", "--ckpt", str(q3_ckpt), "--out", str(q3_out), "--no-progress"],
+        ["mcore-to-hf", "--ckpt", str(q3_bare), "--out", str(q3_bare_out), "--no-progress", "--no-verify"],
     )
     assert proc.returncode == 0, proc.stderr
-    return {"hf": hf, "ckpt": ckpt, "out": out, "bare_out": bare_out, "batch": batch, "ref": ref}
+    qwen3 = {"hf": q3, "out": q3_out, "bare_out": q3_bare_out, "batches": q3_batches, "refs": q3_refs}
+    return {
+        "hf": hf,
+        "ckpt": ckpt,
+        "out": out,
+        "bare_out": bare_out,
+        "batch": batch,
+        "ref": ref,
+        "qwen3": qwen3,
+    }
 
 
 @pytest.mark.slow
@@ -72,6 +96,22 @@ def test_export_loads_in_transformers_with_the_same_logits(converted):
     # Without the source config.json the export writes one from the arch; transformers reads it alike.
     bare = tiny_vl.load_hf(converted["bare_out"])
     assert torch.equal(tiny_vl.hf_logits(bare, converted["batch"]), converted["ref"])
+
+
+@pytest.mark.slow
+def test_qwen3_vl_round_trip_is_bit_exact_and_runs_images_and_videos_alike(converted):
+    q3 = converted["qwen3"]
+    original, exported = _hf_state(q3["hf"]), _hf_state(q3["out"])
+    assert set(exported) == set(original)
+    assert any(n.startswith("model.visual.deepstack_merger_list.1.") for n in exported)
+    assert "model.visual.pos_embed.weight" in exported and "model.visual.patch_embed.proj.bias" in exported
+    for name, t in original.items():
+        assert torch.equal(exported[name], t), name
+    for out in (q3["out"], q3["bare_out"]):  # the bare one's config.json is written from the arch
+        model = tiny_vl.load_hf(out)
+        assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+        for kind, batch in q3["batches"].items():
+            assert torch.equal(tiny_vl.hf_logits(model, batch), q3["refs"][kind]), (out.name, kind)
 
 
 def _load_and_forward(rank, world_size, ckpt, batch, layouts):

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL / Qwen2-VL on megatron-core compute what transformers computes, forward and backward.
+"""Qwen2.5-VL / Qwen2-VL / Qwen3-VL on megatron-core compute what transformers computes, forward
+and backward.
 
 Real megatron-core on 4 gloo ranks, one process start for every case (parallel state is
 re-initialised between layouts): fp32 logits on an image+text batch (images of different
@@ -6,7 +7,9 @@ sizes in different rows, a text-only row, a row with two images, left padding) a
 transformers' ``*ForConditionalGeneration`` at TP1, TP2 and TP2 x PP2 (one row per
 micro-batch, so the images are split across micro-batches); gradients of a weighted log-likelihood through the
 vision tower against transformers' autograd; and a frozen tower that gets no gradient,
-no DDP buffer, no optimizer state and no update.
+no DDP buffer, no optimizer state and no update. Qwen3-VL (learned positions, DeepStack,
+interleaved M-RoPE, frames apart) against transformers numbering its own positions, on images
+and videos, and its gradients through the DeepStack mergers under full recomputation.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def _full_grads(chunk, arch, names):
         shards = [torch.empty_like(grad) for _ in range(tp)]
         dist.all_gather(shards, grad.contiguous(), group=group)
         full = gather_tp_shards(name, shards, arch)
-        if name.endswith("mlp.linear_fc1.weight") and name.startswith("vision_model.decoder"):
+        swiglu = arch.vision.mlp == "swiglu"  # [gate; up], each half padded
+        if swiglu and name.endswith("mlp.linear_fc1.weight") and name.startswith("vision_model.decoder"):
             f = arch.vision.intermediate_size
             padding[name] = float(torch.cat([g[f:] for g in full.chunk(2)]).abs().max())
         out.update(mcore_to_hf(name, full, arch))
@@ -270,12 +274,48 @@ def _bad_inputs(case):
     return errors
 
 
-def _run(rank, world_size, cases, train, bad):
+# Qwen3-VL parameters whose gradients are compared: learned positions, the patch bias, both
+# DeepStack mergers (their norm spans the merged width), a tanh-GELU block MLP, the language model.
+QWEN3_GRAD_PARAMS = (
+    "vision_model.pos_embed",
+    "vision_model.patch_embed.bias",
+    "vision_model.deepstack_mergers.0.mlp.linear_fc1.weight",
+    "vision_model.deepstack_mergers.1.ln_q.weight",
+    "vision_model.decoder.layers.0.mlp.linear_fc1.weight",
+    "language_model.decoder.layers.1.self_attention.linear_qkv.weight",
+)
+
+
+def _deepstack_grads_under_recompute(train):
+    """Qwen3-VL at TP2 with every layer recomputed in the backward pass: the DeepStack features
+    ride in as the decoder's checkpointed ``context``, so their gradients are transformers'."""
+    from rlhf_megatron.models import ModelArch
+    from rlhf_megatron.models.builder import ParallelConfig, build_gpt_model
+    from rlhf_megatron.models.forward import model_forward, vocab_parallel_log_probs
+    from rlhf_megatron.models.loader import load_hf_weights
+    from rlhf_megatron.platform import init_model_parallel
+
+    arch = ModelArch.from_hf_dir(train["hf_dir"])
+    b, weights = train["batch"], train["weights"]
+    init_model_parallel(2, 1)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    chunk = build_gpt_model(arch, ParallelConfig(2, 1), init_weights=False, **recompute)[0]
+    load_hf_weights([chunk], train["hf_dir"], arch)
+    chunk.train()
+    logits = model_forward(chunk, b["input_ids"], b["attention_mask"], b["position_ids"], **_images(b))
+    logp = vocab_parallel_log_probs(logits[:, :-1], b["input_ids"][:, 1:], arch.vocab_size)
+    (-(logp * weights).sum()).backward()
+    grads, _ = _full_grads(chunk, arch, QWEN3_GRAD_PARAMS)
+    return _rel_errors(grads, train["hf_grads"])
+
+
+def _run(rank, world_size, cases, train, bad, qwen3_train):
     return {
         "forward": _forward_cases(cases),
         "train": _train_step(train),
         "pipeline": _pipeline_grads(train),
         "bad": _bad_inputs(bad),
+        "qwen3_recompute": _deepstack_grads_under_recompute(qwen3_train),
     }
 
 
@@ -285,6 +325,10 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_equivalence")
     q25 = tiny_vl.make_model_dir(root)
     q2 = tiny_vl.make_model_dir(root, "qwen2_vl", tie_word_embeddings=True)
+    # 4 layers: both DeepStack levels (after layers 0 and 1) on the first of two pipeline stages.
+    q3 = tiny_vl.make_model_dir(root, "qwen3_vl", num_layers=4)
+    q3_model = tiny_vl.load_hf(q3)
+    q3_images, q3_video = tiny_vl.image_batch(q3), tiny_vl.video_batch(q3)
     batch = tiny_vl.image_batch(q25)
     q25_model = tiny_vl.load_hf(q25)
     ref = tiny_vl.hf_logits(q25_model, batch)
@@ -338,6 +382,28 @@ def results(tmp_path_factory):
             "layouts": [(2, 1, 2)],
         },
         {
+            "name": "qwen3_vl",
+            "hf_dir": str(q3),
+            "batch": q3_images,
+            "ref": tiny_vl.hf_logits(q3_model, q3_images),
+            "layouts": [(1, 1, None), (2, 2, 1)],
+        },
+        {
+            "name": "qwen3_vl-video",
+            "hf_dir": str(q3),
+            "batch": q3_video,
+            "ref": tiny_vl.hf_logits(q3_model, q3_video),
+            "layouts": [(1, 1, None), (2, 2, 1)],
+        },
+        {
+            "name": "qwen3_vl-video-own-positions",
+            "hf_dir": str(q3),
+            "batch": q3_video,
+            "ref": tiny_vl.hf_logits(q3_model, q3_video),
+            "positions": False,
+            "layouts": [(2, 1, 2)],
+        },
+        {
             "name": "qwen2_5_vl-critic",
             "hf_dir": str(q25),
             "head": "value",
@@ -353,7 +419,14 @@ def results(tmp_path_factory):
         "hf_grads": _hf_grads(q25_model, batch, weights),
     }
     bad = {"hf_dir": str(q25), "batch": batch}
-    out = run_on_ranks(_run, 4, cases, train, bad, timeout_s=900)
+    q3_weights = tiny_vl.loss_weights(q3_video)
+    qwen3_train = {
+        "hf_dir": str(q3),
+        "batch": q3_video,
+        "weights": q3_weights,
+        "hf_grads": _hf_grads(q3_model, q3_video, q3_weights, QWEN3_GRAD_PARAMS),
+    }
+    out = run_on_ranks(_run, 4, cases, train, bad, qwen3_train, timeout_s=900)
     return {"forward": [r for o in out for r in o["forward"]], "train": out, "batch": batch}
 
 
@@ -377,22 +450,24 @@ def _renamed_checkpoint(src, dst):
     return dst
 
 
-def _hf_grads(model, batch, weights):
+def _hf_grads(model, batch, weights, params=GRAD_PARAMS):
     from rlhf_megatron.models import ModelArch
     from rlhf_megatron.models.spec import hf_names
 
     model.zero_grad(set_to_none=True)
+    if "mm_token_type_ids" in batch:  # Qwen3-VL: transformers numbers the positions itself
+        positions = {"mm_token_type_ids": batch["mm_token_type_ids"]}
+    else:
+        positions = {"position_ids": batch["position_ids"].transpose(0, 1)}
     logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        **_images(batch),
-        position_ids=batch["position_ids"].transpose(0, 1),
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **_images(batch), **positions
     ).logits.float()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     (-(logp * weights).sum()).backward()
     arch = ModelArch.from_hf_config({**model.config.to_dict(), "architectures": [type(model).__name__]})
-    state = {_hub_name(n): p for n, p in model.named_parameters()}
-    wanted = {h for name in GRAD_PARAMS for h in hf_names(name, arch)}
+    hub = arch.model_type != "qwen3_vl"  # Qwen3-VL checkpoints keep transformers' module paths
+    state = {_hub_name(n) if hub else n: p for n, p in model.named_parameters()}
+    wanted = {h for name in params for h in hf_names(name, arch)}
     return {h: state[h].grad.detach().clone() for h in wanted}
 
 
@@ -437,6 +512,28 @@ def test_video_rows_match_transformers_with_their_clips_split_across_micro_batch
         if r["name"].startswith("qwen2_5_vl-video") and "rel_err" in r
     ]
     assert rel and max(rel) <= REL_TOL
+
+
+@pytest.mark.slow
+def test_qwen3_vl_matches_transformers_on_images_and_videos(results):
+    # Learned positions resampled per image, DeepStack features added after layers 0 and 1,
+    # interleaved M-RoPE, each video frame its own run after a timestamp; transformers numbers its
+    # own positions (mm_token_type_ids), ours come from data.rope_index or, in the last case, from
+    # inside the model with two rows per micro-batch.
+    assert set(_errors(results, "qwen3_vl")) == {(1, 1, None), (2, 2, 1)}
+    assert set(_errors(results, "qwen3_vl-video")) == {(1, 1, None), (2, 2, 1)}
+    assert set(_errors(results, "qwen3_vl-video-own-positions")) == {(2, 1, 2)}
+    assert sum(r["name"].startswith("qwen3_vl") and "rel_err" in r for r in results["forward"]) >= 5
+
+
+@pytest.mark.slow
+def test_qwen3_vl_deepstack_gradients_match_transformers_under_full_recompute(results):
+    for out in results["train"]:
+        errors = out["qwen3_recompute"]
+        assert len(errors) == 8  # the language model's qkv gives q, k and v
+        assert "model.visual.deepstack_merger_list.1.norm.weight" in errors
+        for name, err in errors.items():
+            assert err <= GRAD_TOL, (name, err)
 
 
 @pytest.mark.slow

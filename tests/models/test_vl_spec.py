@@ -1,8 +1,10 @@
-"""Qwen2.5-VL / Qwen2-VL without processes: config parsing, the HF⇄mcore spec, stages, image layout."""
+"""Qwen2.5-VL / Qwen2-VL / Qwen3-VL without processes: config parsing, the HF⇄mcore spec, stages,
+image layout, Qwen3-VL's learned-position taps and interleaved M-RoPE."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,10 +38,10 @@ from rlhf_megatron.planning.model_arch import ModelArch, UnsupportedModelError
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """{family: (arch, HF state, config.json)} for a tiny Qwen2.5-VL and a tied Qwen2-VL."""
+    """{family: (arch, HF state, config.json)} for a tiny Qwen2.5-VL, a tied Qwen2-VL and a Qwen3-VL."""
     root = tmp_path_factory.mktemp("vl_spec")
     out = {}
-    for family, tied in (("qwen2_5_vl", False), ("qwen2_vl", True)):
+    for family, tied in (("qwen2_5_vl", False), ("qwen2_vl", True), ("qwen3_vl", False)):
         d = make_tiny_qwen2_5_vl(root / family, family=family, tie_word_embeddings=tied)
         out[family] = (
             ModelArch.from_hf_dir(d),
@@ -83,14 +85,24 @@ def test_both_config_layouts_give_one_arch_and_json_round_trips(tiny, family):
     assert arch.with_head("value").architecture.endswith("ForTokenClassification")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_qwen3_vl_config_parses_to_its_parts(tiny):
+    arch, _, config = tiny["qwen3_vl"]
+    assert ModelArch.from_dict(json.loads(json.dumps(arch.to_dict()))) == arch
+    assert (arch.qk_norm, arch.qkv_bias, arch.mrope_interleaved, arch.head_dim) == (True, False, True, 64)
+    v = arch.vision
+    assert (v.norm, v.mlp, v.patch_bias, v.num_position_embeddings) == ("layernorm", "gelu_tanh", True, 16)
+    assert v.deepstack_visual_indexes == (0, 1) and v.frames_apart and v.patch_dim == 3 * 2 * 16 * 16
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_parameter_count_is_the_checkpoints_exactly(tiny, family):
     from rlhf_megatron.planning.arch import count_parameters
 
     arch, state, _ = tiny[family]
     count = count_parameters(arch)
     assert count.total == sum(t.numel() for t in state.values())
-    assert count.vision == sum(t.numel() for n, t in state.items() if n.startswith("visual."))
+    visual = ("visual.", "model.visual.")
+    assert count.vision == sum(t.numel() for n, t in state.items() if n.startswith(visual))
 
 
 @pytest.mark.parametrize(
@@ -119,7 +131,67 @@ def test_bad_vision_language_configs_name_the_key(tiny, edit, match):
         ModelArch.from_hf_config(config, source="/m/config.json")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda c: c["text_config"]["rope_parameters"].pop("mrope_interleaved"),
+            '"mrope_interleaved": true in text_config.rope_parameters',
+        ),
+        (
+            lambda c: c["vision_config"].update(deepstack_visual_indexes=[0, 2]),
+            r"deepstack_visual_indexes \[0, 2\] must name distinct blocks of the 2",
+        ),
+        (
+            lambda c: c["vision_config"].update(num_position_embeddings=15),
+            "num_position_embeddings=15 is not a square",
+        ),
+        (
+            lambda c: c["vision_config"].update(hidden_act="silu"),
+            "hidden_act 'silu' .*only 'gelu_pytorch_tanh'",
+        ),
+    ],
+)
+def test_bad_qwen3_vl_configs_name_the_key(tiny, edit, match):
+    config = json.loads(json.dumps(tiny["qwen3_vl"][2]))
+    edit(config)
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelArch.from_hf_config(config, source="/m/config.json")
+
+
+def test_learned_position_taps_match_transformers():
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    from rlhf_megatron.models.vision import position_taps
+
+    arch = ModelArch.from_hf_config(_tiny_config("qwen3_vl"))
+    grids = torch.tensor([[1, 6, 4], [2, 8, 12], [1, 2, 2]])
+    index, weight = position_taps(grids, arch.vision)
+    ref_index, ref_weight = get_vision_interpolation_indices_and_weights(
+        grids, num_grid_per_side=4, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    assert torch.equal(index, ref_index) and torch.equal(weight, ref_weight)
+
+
+def test_interleaved_mrope_matches_transformers():
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from rlhf_megatron.models.gpt import InterleavedMultimodalRotaryEmbedding
+
+    section = [12, 10, 10]
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section, "mrope_interleaved": True}
+    hf = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(head_dim=64, rope_parameters=rope))
+    # The forward alone (megatron's constructor puts inv_freq on the current CUDA device).
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    state = SimpleNamespace(inv_freq=inv_freq, seq_len_interpolation_factor=None, cp_group=None)
+    positions = torch.randint(0, 50, (3, 2, 7))
+    cos, _ = hf(torch.zeros(1, dtype=torch.float32), positions)  # (B, S, D)
+    angles = InterleavedMultimodalRotaryEmbedding.forward(state, positions, section)  # (S, B, 1, D)
+    assert torch.allclose(angles[:, :, 0].transpose(0, 1).cos(), cos, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_hf_to_mcore_to_hf_is_bit_exact_and_complete(tiny, family):
     arch, state, _ = tiny[family]
     source = DictTensorSource(state)
@@ -279,7 +351,7 @@ def test_image_embeddings_go_in_row_major_order_like_masked_scatter():
         scatter_image_embeddings(emb, ids, images[:2], 7)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_export_without_a_config_rebuilds_one_transformers_reads_back(tiny, family):
     from transformers import AutoConfig
 

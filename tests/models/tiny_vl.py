@@ -1,4 +1,5 @@
-"""Tiny random Qwen2.5-VL / Qwen2-VL checkpoints, an image batch, and transformers' outputs on it.
+"""Tiny random Qwen2.5-VL / Qwen2-VL / Qwen3-VL checkpoints, an image batch, and transformers'
+outputs on it.
 
 The batch is what RL prompts look like: four chat prompts, left-padded: two with one image
 each, of different sizes (grids (1, 6, 4) and (1, 8, 6) patches: 6 and 12 image tokens;
@@ -53,6 +54,8 @@ def image_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
     texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in MESSAGES]
     enc = processor(text=texts, images=images, padding=True, return_tensors="pt")
     batch = {k: enc[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
+    if "mm_token_type_ids" in enc and _frames_apart(hf_dir):
+        batch["mm_token_type_ids"] = enc["mm_token_type_ids"]  # transformers' Qwen3-VL positions
     batch["position_ids"] = get_rope_index(
         batch["input_ids"],
         batch["attention_mask"],
@@ -85,10 +88,24 @@ def video_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
     processor = AutoProcessor.from_pretrained(hf_dir)
     processor.tokenizer.padding_side = "left"
     rng = np.random.default_rng(1)
+    arch = ModelArch.from_hf_dir(hf_dir)
+    frames_apart = arch.vision.frames_apart
     images = [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
-    videos = [rng.integers(0, 255, shape + (3,), dtype=np.uint8) for shape in VIDEO_SHAPES]
+    shapes = [(max(2, t), h, w) for t, h, w in VIDEO_SHAPES] if frames_apart else VIDEO_SHAPES
+    videos = [rng.integers(0, 255, shape + (3,), dtype=np.uint8) for shape in shapes]
     texts = [processor.apply_chat_template(m, add_generation_prompt=True) for m in VIDEO_MESSAGES]
-    enc = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt")
+    extra = {}
+    if frames_apart:  # Qwen3-VL writes each frame's time from the clip's metadata
+        from transformers.video_utils import VideoMetadata
+
+        extra = dict(
+            video_metadata=[
+                VideoMetadata(total_num_frames=len(v), fps=fps, frames_indices=list(range(len(v))))
+                for v, fps in zip(videos, VIDEO_FPS)
+            ],
+            do_sample_frames=False,
+        )
+    enc = processor(text=texts, images=images, videos=videos, padding=True, return_tensors="pt", **extra)
     keys = (
         "input_ids",
         "attention_mask",
@@ -98,8 +115,10 @@ def video_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
         "video_grid_thw",
     )
     batch = {k: enc[k] for k in keys}
-    batch["second_per_grid_ts"] = torch.tensor([2.0 / fps for fps in VIDEO_FPS])
-    arch = ModelArch.from_hf_dir(hf_dir)
+    if frames_apart:
+        batch["mm_token_type_ids"] = enc["mm_token_type_ids"]
+    else:
+        batch["second_per_grid_ts"] = torch.tensor([2.0 / fps for fps in VIDEO_FPS])
     batch["position_ids"] = get_rope_index(
         batch["input_ids"],
         batch["attention_mask"],
@@ -108,10 +127,17 @@ def video_batch(hf_dir: Path) -> dict[str, torch.Tensor]:
         spatial_merge_size=arch.vision.spatial_merge_size,
         video_grid_thw=batch["video_grid_thw"],
         video_token_id=arch.video_token_id,
-        second_per_grid_ts=batch["second_per_grid_ts"],
+        second_per_grid_ts=batch.get("second_per_grid_ts"),
         tokens_per_second=arch.vision.tokens_per_second,
+        frames_apart=frames_apart,
     )
     return batch
+
+
+def _frames_apart(hf_dir: Path) -> bool:
+    from rlhf_megatron.planning.model_arch import ModelArch
+
+    return ModelArch.from_hf_dir(hf_dir).vision.frames_apart
 
 
 def load_hf(hf_dir: Path):
@@ -123,7 +149,8 @@ def load_hf(hf_dir: Path):
 
 
 def hf_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """transformers' logits ``[B, S, V]``, with the batch's M-RoPE positions (HF's own ``[3, B, S]``)."""
+    """transformers' logits ``[B, S, V]``, with the batch's M-RoPE positions (HF's own ``[3, B, S]``);
+    a batch with ``mm_token_type_ids`` (Qwen3-VL) lets transformers number the positions itself."""
     visuals = (
         "pixel_values",
         "image_grid_thw",
@@ -131,12 +158,16 @@ def hf_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         "video_grid_thw",
         "second_per_grid_ts",
     )
+    if "mm_token_type_ids" in batch:
+        positions = {"mm_token_type_ids": batch["mm_token_type_ids"]}
+    else:
+        positions = {"position_ids": batch["position_ids"].transpose(0, 1)}
     with torch.no_grad():
         return model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             **{k: batch[k] for k in visuals if k in batch},
-            position_ids=batch["position_ids"].transpose(0, 1),
+            **positions,
         ).logits.float()
 
 

@@ -9,7 +9,10 @@ A tiny Qwen2.5-VL at Megatron TP=2 and vLLM TP=2 in the same two processes:
   outputs cached by vLLM from before the sync;
 - with ``freeze_vision_tower`` the step leaves the tower's weights exactly as they were;
 - the frozen-tower run's prompts mix images and videos (a 2-frame and a 4-frame clip): vLLM's
-  video path (frames and their timing) and the actor's (timed M-RoPE) give the same log-probs.
+  video path (frames and their timing) and the actor's (timed M-RoPE) give the same log-probs;
+- a tiny Qwen3-VL on the same mixed prompts (learned positions, DeepStack, interleaved M-RoPE,
+  each frame after its timestamp): equal log-probs before and after an update of the whole model,
+  vision tower and DeepStack mergers included, and its sync into vLLM's Qwen3-VL.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def vl_inputs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vl_worker")
     model = make_tiny_qwen2_5_vl(root / "model")
+    qwen3 = make_tiny_qwen2_5_vl(root / "qwen3", family="qwen3_vl")
     tool = Path(__file__).resolve().parents[2] / "tools" / "data" / "shapes_vl.py"
     subprocess.run(
         [
@@ -53,7 +57,12 @@ def vl_inputs(tmp_path_factory):
         check=True,
         capture_output=True,
     )
-    return {"model": str(model), "data": str(root / "shapes"), "videos": str(_video_rows(root))}
+    return {
+        "model": str(model),
+        "qwen3": str(qwen3),
+        "data": str(root / "shapes"),
+        "videos": str(_video_rows(root)),
+    }
 
 
 def _video_rows(root):
@@ -163,18 +172,24 @@ def _gap(group, rollout) -> float:
     return float(((old - rollout["rollout_log_probs"]).abs() * mask).max()), old
 
 
-@pytest.mark.parametrize("freeze", [False, True], ids=["images", "frozen_tower_images_and_videos"])
-def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_inputs, freeze):
-    prompt_len = 80 if freeze else 64  # the 4-frame clip's 8 tokens need more room than an image's 4
+@pytest.mark.parametrize(
+    "model,freeze",
+    [("model", False), ("model", True), ("qwen3", False)],
+    ids=["images", "frozen_tower_images_and_videos", "qwen3_vl_images_and_videos"],
+)
+def test_image_prompt_log_probs_agree_before_and_after_an_update(local_ray, vl_inputs, model, freeze):
+    videos = freeze or model == "qwen3"
+    # The 4-frame clip's 8 tokens need more room than an image's 4; Qwen3-VL's timestamps more still.
+    prompt_len = {"model": 80 if videos else 64, "qwen3": 112}[model]
     cfg = _config(
-        vl_inputs,
-        "quickstart_video_cpu" if freeze else "quickstart_vl_cpu",  # the video one adds data.video_*
+        {**vl_inputs, "model": vl_inputs[model]},
+        "quickstart_video_cpu" if videos else "quickstart_vl_cpu",  # the video one adds data.video_*
         **{"actor_rollout_ref.model.freeze_vision_tower": freeze, "data.max_prompt_length": prompt_len},
     )
-    prompts = _prompts(cfg, vl_inputs["videos"] if freeze else None)
-    if freeze:
+    prompts = _prompts(cfg, vl_inputs["videos"] if videos else None)
+    if videos:
         assert [len(d.get("video", [])) for d in prompts["multi_modal_data"]] == [0, 0, 1, 1]
-    group, pool = _actor_group(cfg, f"vl_actor_{freeze}")
+    group, pool = _actor_group(cfg, f"vl_actor_{model}_{freeze}")
     try:
         rollout = group.call.generate_sequences(prompts, seed=1)
         assert len(rollout) == 8 and rollout["position_ids"].shape == (8, 3, prompt_len + RESPONSE_LEN)
