@@ -48,6 +48,7 @@ def _arch(preset: str) -> ModelArch:
         ("models/qwen2.5_32b.yaml", 32.76e9),
         ("models/qwen2.5_vl_7b.yaml", 8.29e9),  # vision tower included
         ("models/qwen2.5_vl_72b.yaml", 73.4e9),
+        ("models/qwen3_vl_8b.yaml", 8.77e9),  # DeepStack mergers and learned positions included
         ("examples/countdown_grpo.yaml", 3.09e9),
     ],
 )
@@ -101,6 +102,7 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
         "models/qwen3_235b_a22b.yaml",
         "models/qwen3_30b_a3b.yaml",
         "models/qwen3_30b_a3b_lora.yaml",
+        "models/qwen3_vl_8b.yaml",
     ]
 
 
