@@ -5,11 +5,16 @@ in tests. One process holds the whole model; generation is
 ``model.generate`` on left-padded prompts, and the log-prob of each sampled
 token comes from the raw (pre-temperature) logits, as vLLM reports it.
 Vision-language checkpoints (a ``vision_config`` in config.json) load as
-image-text-to-text models and take each row's ``multi_modal_inputs``.
+image-text-to-text models and take each row's ``multi_modal_inputs``; their
+M-RoPE positions are the rows' own (``position_ids``, numbered as vLLM and the
+trainer number them), pinned into ``generate`` (``_pinned_mrope``): left to
+itself transformers would number a prompt as plain text, or, given
+``mm_token_type_ids``, number Qwen2.5-VL's clips differently.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,6 +81,12 @@ class HFEngine:
         for row, toks in enumerate(token_lists):
             ids[row, width - len(toks) :] = torch.as_tensor(toks)
             mask[row, width - len(toks) :] = 1
+        pinned = contextlib.nullcontext()
+        if vision and prompts["position_ids"].dim() == 3:  # M-RoPE: the rows' own positions
+            positions = torch.zeros(len(token_lists), 3, width, dtype=torch.long)
+            for row, valid in enumerate(prompts["attention_mask"].bool()):
+                positions[row, :, width - int(valid.sum()) :] = prompts["position_ids"][row][:, valid]
+            pinned = _pinned_mrope(self.model, positions.to(self.device))
         # generate() draws from torch's global RNG; seed it from our own stream so a
         # run is reproducible without disturbing the caller's RNG state.
         state = torch.get_rng_state()
@@ -84,22 +95,23 @@ class HFEngine:
         else:
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
         try:
-            out = self.model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                max_new_tokens=sampling.response_length,
-                do_sample=not sampling.greedy,
-                temperature=sampling.temperature if not sampling.greedy else None,
-                top_p=sampling.top_p if not sampling.greedy else None,
-                top_k=(sampling.top_k if sampling.top_k > 0 else None) if not sampling.greedy else None,
-                num_return_sequences=sampling.n,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=sorted(self.eos_token_ids) or None,
-                return_dict_in_generate=True,
-                output_logits=True,
-                bad_words_ids=self.bad_words_ids,
-                **vision,
-            )
+            with pinned:
+                out = self.model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    max_new_tokens=sampling.response_length,
+                    do_sample=not sampling.greedy,
+                    temperature=sampling.temperature if not sampling.greedy else None,
+                    top_p=sampling.top_p if not sampling.greedy else None,
+                    top_k=(sampling.top_k if sampling.top_k > 0 else None) if not sampling.greedy else None,
+                    num_return_sequences=sampling.n,
+                    pad_token_id=self.pad_token_id,
+                    eos_token_id=sorted(self.eos_token_ids) or None,
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                    bad_words_ids=self.bad_words_ids,
+                    **vision,
+                )
         finally:
             torch.set_rng_state(state)
         new = out.sequences[:, width:].cpu()
@@ -142,3 +154,34 @@ class HFEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _pinned_mrope(model, positions: torch.Tensor):
+    """Inside, ``model.generate`` places the prompt at ``positions`` ``[B, 3, W]`` (the left-padded
+    prompts' M-RoPE positions; each row repeated as ``num_return_sequences`` repeats the prompts)
+    and each generated token one past the previous, as vLLM does.
+
+    transformers' Qwen-VL models build ``[4, B, S]`` position ids (a text row, then the three
+    M-RoPE streams) in ``_prepare_position_ids_for_generation`` at the prefill and offset the text
+    positions by ``model.model.rope_deltas`` at every later step: the prefill's streams are
+    replaced by ``positions``, and the deltas set so the steps continue from each row's last one.
+    """
+    original = model._prepare_position_ids_for_generation
+
+    def prepare(inputs_tensor, model_kwargs):
+        cache = model_kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() != 0:
+            return original(inputs_tensor, model_kwargs)  # a decoding step: text positions + deltas
+        plain = {k: v for k, v in model_kwargs.items() if k != "mm_token_type_ids"}
+        ids = original(inputs_tensor, plain)  # [4, B', S]: text positions, the same in every row
+        ours = positions.repeat_interleave(ids.shape[1] // positions.shape[0], dim=0)
+        ids = torch.cat([ids[:1], ours.transpose(0, 1).to(ids.dtype)], dim=0)
+        model.model.rope_deltas = (ours[:, 0, -1] - ids[0, :, -1])[:, None]
+        return ids
+
+    model._prepare_position_ids_for_generation = prepare
+    try:
+        yield
+    finally:
+        del model._prepare_position_ids_for_generation  # the class's method again
