@@ -37,8 +37,13 @@ receive.
   ``m²`` patches are put side by side, makes LM-width features that the
   language model adds after its first layers (``forward_with_deepstack``).
 
-The masks are dense ``[1, 1, S, S]`` booleans (what megatron's local attention
-takes); memory grows with the square of a micro-batch's patch count.
+Attention stays inside each frame (full-attention blocks) or window: a micro-batch's
+patches form ``Segments``. Without transformer-engine the blocks' core attention is
+``SegmentAttention``, which runs torch's fused attention on the segments of each length side
+by side, so its cost grows with the sum of the segments' squares, not with the square of the
+micro-batch's patch count. With transformer-engine the segments become a dense
+``[1, 1, S, S]`` boolean mask (megatron's arbitrary mask), whose memory does grow with that
+square.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.activations import quick_gelu
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
@@ -59,7 +65,14 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from rlhf_megatron.planning.model_arch import VisionArch
 
-__all__ = ["VisionLayout", "VisionTransformer", "vision_layout", "vision_transformer_config"]
+__all__ = [
+    "SegmentAttention",
+    "Segments",
+    "VisionLayout",
+    "VisionTransformer",
+    "vision_layout",
+    "vision_transformer_config",
+]
 
 
 def vision_transformer_config(vision: VisionArch, lm: TransformerConfig) -> TransformerConfig:
@@ -103,27 +116,50 @@ def vision_transformer_config(vision: VisionArch, lm: TransformerConfig) -> Tran
 # -- patch order, masks, rotary positions (pure torch) ------------------------------------
 
 
+class Segments:
+    """Consecutive runs of a sequence that attend only within themselves (frames or windows)."""
+
+    def __init__(self, lengths: list[int], device=None):
+        self.lengths = tuple(int(n) for n in lengths)
+        self.device = device
+        self._groups: list[tuple[int, torch.Tensor]] | None = None
+
+    def mask(self) -> torch.Tensor:
+        """``[1, 1, S, S]`` bool, True = masked: each segment attends to itself."""
+        segment = torch.repeat_interleave(
+            torch.arange(len(self.lengths), device=self.device),
+            torch.tensor(self.lengths, device=self.device),
+        )
+        return (segment[:, None] != segment[None, :])[None, None]
+
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """``(length, index [n, length])`` for each segment length: where its ``n`` segments lie."""
+        if self._groups is None:
+            starts = torch.tensor((0, *self.lengths[:-1])).cumsum(0).tolist()
+            by_length: dict[int, list[int]] = {}
+            for start, n in zip(starts, self.lengths):
+                by_length.setdefault(n, []).append(start)
+            self._groups = [
+                (n, (torch.tensor(first)[:, None] + torch.arange(n)).to(self.device))
+                for n, first in by_length.items()
+            ]
+        return self._groups
+
+
 @dataclass
 class VisionLayout:
-    """How the blocks see a set of images: patch order, attention masks, rotary frequencies."""
+    """How the blocks see a set of images: patch order, attention segments, rotary frequencies."""
 
     order: torch.Tensor | None
     """``[S]`` patch permutation into window order (None: processor order, Qwen2-VL)."""
     restore: torch.Tensor | None
     """``[S / m²]`` the merged tokens' way back from window order to the processor's."""
-    full_mask: torch.Tensor
-    """``[1, 1, S, S]`` bool, True = masked: each frame of each image attends to itself."""
-    window_mask: torch.Tensor | None
-    """``[1, 1, S, S]`` bool: each window attends to itself (None without windows)."""
+    full: Segments
+    """Each frame of each image attends to itself (in block order)."""
+    window: Segments | None
+    """Each window attends to itself (None without windows)."""
     rotary: torch.Tensor
     """``[S, 1, 1, head_dim]`` rotary angles in block order."""
-
-
-def _block_mask(lengths: list[int], device) -> torch.Tensor:
-    segment = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
-    return (segment[:, None] != segment[None, :])[None, None]  # (1, 1, S, S)
 
 
 def _rotary(positions: torch.Tensor, vision: VisionArch) -> torch.Tensor:
@@ -165,14 +201,14 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
             window_sizes += [s * unit for s in sizes]
         offset += t * gh * gw
     position = torch.cat(positions).to(device)
-    order = restore = window_mask = None
+    order = restore = window = None
     if win is not None:
         merged = torch.cat(windows).to(device)  # (S / m²,) window order
         order = (merged[:, None] * unit + torch.arange(unit, device=device)).flatten()
         restore = torch.argsort(merged)
         position = position[order]
-        window_mask = _block_mask(window_sizes, device)
-    return VisionLayout(order, restore, _block_mask(frames, device), window_mask, _rotary(position, vision))
+        window = Segments(window_sizes, device)
+    return VisionLayout(order, restore, Segments(frames, device), window, _rotary(position, vision))
 
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +245,34 @@ def position_taps(grid_thw: torch.Tensor, vision: VisionArch) -> tuple[torch.Ten
 
 
 # -- modules ------------------------------------------------------------------------------
+
+
+class SegmentAttention(DotProductAttention):
+    """megatron's core attention over ``Segments`` (given as ``attention_mask``): torch's fused
+    attention on the segments of each length side by side, no mask; the result is what the
+    unfused attention computes with the segments' block-diagonal mask, up to float rounding."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Segments,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """``[S, 1, heads, d]`` query, key and value (this TP rank's heads) -> ``[S, 1, heads * d]``."""
+        if not isinstance(attention_mask, Segments) or query.shape[1] != 1:
+            raise TypeError("SegmentAttention takes one sequence ([S, 1, heads, d]) and its Segments")
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]  # (S, heads, d)
+        out = q.new_empty(q.shape)
+        for _, index in attention_mask.groups():
+            # (n, length, heads, d) -> (n, heads, length, d): each segment a batch entry
+            qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+            context = F.scaled_dot_product_attention(qs, ks, vs, scale=self.softmax_scale)
+            out = out.index_put((index.flatten(),), context.transpose(1, 2).flatten(0, 1))
+        return out.reshape(q.shape[0], 1, self.hidden_size_per_partition)
 
 
 def _replicated(shape, config: TransformerConfig, generator: torch.Generator | None) -> torch.nn.Parameter:
@@ -263,8 +327,9 @@ def _specs(vision: VisionArch, use_te: bool):
 
     rms = vision.norm == "rmsnorm"
     spec = get_gpt_layer_local_spec(normalization="RMSNorm" if rms else "LayerNorm")
-    # Bidirectional attention inside each image/window: the mask we pass is the whole story.
+    # Bidirectional attention inside each frame/window: the Segments we pass are the whole story.
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding
+    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
     return spec, LocalSpecProvider().layer_norm(rms_norm=rms), ColumnParallelLinear, RowParallelLinear
 
 
@@ -349,6 +414,7 @@ class VisionTransformer(MegatronModule):
         super().__init__(config=config)
         self.vision = vision
         spec, norm, column, row = _specs(vision, use_te)
+        self.dense_masks = use_te  # transformer-engine's attention takes a mask, not Segments
         self.patch_embed = PatchEmbed(vision, config, seed)
         self.pos_embed = None
         if vision.num_position_embeddings is not None:
@@ -384,10 +450,15 @@ class VisionTransformer(MegatronModule):
             hidden = hidden[layout.order]
         hidden = hidden[:, None]  # (S, 1, hidden): megatron's [s, b, h]
         deepstack = []
+        masks = {}  # dense masks, built once per kind
         for block, layer in enumerate(self.decoder.layers):
-            full = self.vision.full_attention(block) or layout.window_mask is None
-            mask = layout.full_mask if full else layout.window_mask
-            hidden, _ = layer(hidden, attention_mask=mask, rotary_pos_emb=layout.rotary)
+            full = self.vision.full_attention(block) or layout.window is None
+            segments = layout.full if full else layout.window
+            if self.dense_masks:
+                if full not in masks:
+                    masks[full] = segments.mask()
+                segments = masks[full]
+            hidden, _ = layer(hidden, attention_mask=segments, rotary_pos_emb=layout.rotary)
             if block in self.vision.deepstack_visual_indexes:
                 which = self.vision.deepstack_visual_indexes.index(block)
                 deepstack.append(self.deepstack_mergers[which](hidden[:, 0]))

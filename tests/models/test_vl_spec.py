@@ -293,9 +293,9 @@ def test_window_order_and_masks_match_transformers(grids):
     unit = torch.arange(4)
     assert torch.equal(layout.order, (window_index[:, None] * 4 + unit).flatten())
     assert torch.equal(layout.restore, torch.argsort(window_index))
-    assert torch.equal(layout.window_mask[0, 0], _mask_from(cu_windows))
+    assert torch.equal(layout.window.mask()[0, 0], _mask_from(cu_windows))
     assert torch.equal(
-        layout.full_mask[0, 0], _mask_from(get_vision_cu_seqlens(grid))
+        layout.full.mask()[0, 0], _mask_from(get_vision_cu_seqlens(grid))
     )  # one segment per frame
     assert layout.rotary.shape == (grid.prod(-1).sum().item(), 1, 1, arch.vision.head_dim)
 
@@ -364,3 +364,22 @@ def test_export_without_a_config_rebuilds_one_transformers_reads_back(tiny, fami
     assert ModelArch.from_hf_config(config) == arch
     reread = AutoConfig.for_model(**config).to_dict()  # transformers accepts it
     assert ModelArch.from_hf_config({**reread, "architectures": [arch.architecture]}) == arch
+
+
+def test_segments_group_equal_lengths_and_cover_every_position_once():
+    from rlhf_megatron.models.vision import Segments
+
+    segments = Segments([3, 5, 3, 2, 5])
+    groups = {n: index.tolist() for n, index in segments.groups()}
+    assert groups == {3: [[0, 1, 2], [8, 9, 10]], 5: [[3, 4, 5, 6, 7], [13, 14, 15, 16, 17]], 2: [[11, 12]]}
+    # Attention over the segments of each length side by side equals the masked attention.
+    q, k, v = (torch.randn(18, 2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    mask = segments.mask()[0, 0]
+    scores = (torch.einsum("shd,thd->hst", q, k) / 2).masked_fill(mask, float("-inf")).softmax(-1)  # d = 4
+    dense = torch.einsum("hst,thd->shd", scores, v)
+    out = torch.empty_like(q)
+    for _, index in segments.groups():
+        qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+        ctx = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs)
+        out[index.flatten()] = ctx.transpose(1, 2).flatten(0, 1)
+    torch.testing.assert_close(out, dense)
