@@ -14,8 +14,9 @@ Subcommands:
 - ``mcore-to-hf --ckpt DIR --out DIR``: stream a model checkpoint (converted,
   or a trainer's ``<ckpt>/model``) to HF safetensors one tensor at a time, in
   one process, with megatron's loader reading one tensor per call. Memory is
-  bounded by the largest tensor, whatever the model size. A checkpoint's
-  ``mtp_layers/`` tensors are written back unchanged.
+  bounded by the largest tensor, whatever the model size (Qwen3-VL-MoE: by one
+  layer's experts, which its HF checkpoint stacks into one tensor per
+  projection). A checkpoint's ``mtp_layers/`` tensors are written back unchanged.
 - ``lora-to-peft --ckpt DIR --out DIR [--base HF_DIR]``: a LoRA training
   checkpoint's adapter (``<step>/actor/adapter``; ``--ckpt`` may name it, the
   actor or the step) as a PEFT adapter directory (``PeftModel.from_pretrained``,

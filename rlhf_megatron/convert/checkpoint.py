@@ -26,6 +26,7 @@ from rlhf_megatron.convert.lora import find_adapter
 from rlhf_megatron.models.hf_io import HFCheckpoint
 from rlhf_megatron.models.mtp import saved_mtp
 from rlhf_megatron.models.spec import (
+    ExpertStacker,
     SpecError,
     expected_hf_shapes,
     hf_names,
@@ -172,8 +173,11 @@ def convert_hf_to_mcore(
 
 
 def _plan_export(specs, arch: ModelArch, saved_tp: int, dtype: torch.dtype):
-    """HF ``(name, shape, dtype)`` in write order; checks names, shapes and completeness first."""
+    """HF ``(name, shape, dtype)`` in write order; checks names, shapes and completeness first.
+    The order is what ``convert_mcore_to_hf`` produces: the checkpoint's tensors through an
+    ``ExpertStacker`` (a stacked expert tensor comes when its last expert does)."""
     plan = []
+    stacker = ExpertStacker(arch)
     for spec in specs:
         try:
             want = mcore_full_shape(spec.name, arch, saved_tp)
@@ -192,8 +196,8 @@ def _plan_export(specs, arch: ModelArch, saved_tp: int, dtype: torch.dtype):
                 f"checkpoint tensor {spec.name} has shape {list(spec.shape)}, but the config "
                 f"({arch.architecture}) implies {list(want)}; the checkpoint and config.json disagree"
             )
-        for hf_name, t in mcore_to_hf(spec.name, torch.empty(spec.shape, device="meta"), arch):
-            plan.append((hf_name, tuple(t.shape), dtype))
+        for hf_row, t in mcore_to_hf(spec.name, torch.empty(spec.shape, device="meta"), arch):
+            plan.extend((hf_name, tuple(w.shape), dtype) for hf_name, w in stacker.add(hf_row, t))
     expected = expected_hf_shapes(arch)
     missing = sorted(set(expected) - {n for n, _, _ in plan})
     if missing:
@@ -278,9 +282,11 @@ def convert_mcore_to_hf(
         from tqdm import tqdm
 
         with tqdm(total=len(specs), desc="mcore-to-hf", unit="tensor", disable=not progress) as bar:
+            stacker = ExpertStacker(arch)  # a layer's stacked experts are written once all have come
             for spec, full in iter_checkpoint_tensors(ckpt_dir, specs):
-                for hf_name, t in mcore_to_hf(spec.name, full, arch):
-                    writer.write(hf_name, t.to(out_dtype))
+                for hf_row, t in mcore_to_hf(spec.name, full, arch):
+                    for hf_name, whole in stacker.add(hf_row, t):
+                        writer.write(hf_name, whole.to(out_dtype))
                 bar.update()
         for name in mtp_names:
             writer.write(name, mtp.read(name))

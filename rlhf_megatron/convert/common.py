@@ -151,8 +151,10 @@ def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
             **({"mrope_interleaved": True} if arch.mrope_interleaved else {}),
         },
     )
-    if arch.model_type == "qwen3_vl":
+    if arch.model_type in ("qwen3_vl", "qwen3_vl_moe"):
         text.update(head_dim=arch.head_dim, hidden_act="silu")
+    if arch.model_type == "qwen3_vl_moe":  # norm_topk_prob: what transformers does, for vLLM
+        text.update(_moe_arch_to_hf_fields(arch))
     vision = dict(
         depth=v.depth,
         num_heads=v.num_heads,
@@ -170,7 +172,7 @@ def _vl_arch_to_hf_fields(arch: ModelArch) -> dict:
             window_size=v.window_size,
             fullatt_block_indexes=list(v.fullatt_block_indexes),
         )
-    elif arch.model_type == "qwen3_vl":
+    elif arch.model_type in ("qwen3_vl", "qwen3_vl_moe"):
         vision.update(
             hidden_size=v.hidden_size,
             intermediate_size=v.intermediate_size,

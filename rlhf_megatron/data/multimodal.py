@@ -254,7 +254,7 @@ def load_vision_processor(model_path: str | os.PathLike) -> VisionProcessor | No
     per_second = (
         float(vision.get("tokens_per_second", 4)) if config.get("model_type") == "qwen2_5_vl" else None
     )
-    frames_apart = config.get("model_type") == "qwen3_vl"
+    frames_apart = config.get("model_type") in ("qwen3_vl", "qwen3_vl_moe")  # timestamps between frames
     return VisionProcessor(
         processor, image_token_id, merge, model_path, video_token_id, per_second, frames_apart
     )

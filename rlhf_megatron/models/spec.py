@@ -40,6 +40,13 @@ Megatron layouts handled here:
   ``arch.padded_vocab_size(tp)`` rows, the vision MLP
   ``vision.padded_intermediate_size(tp)``; the extra rows (columns for
   ``linear_fc2``) are zero on import and trimmed on export.
+- Stacked experts (Qwen3-VL-MoE, ``ParamRule.stacked``): one HF tensor per
+  projection holds all of a layer's experts, ``[E, in, out]``; megatron's expert
+  ``e`` is row ``e`` transposed. ``hf_to_mcore`` reads only that row;
+  ``mcore_to_hf`` returns it as ``name[e]`` (``split_stacked_row``) and
+  ``ExpertStacker`` turns the rows of all experts back into the HF tensor.
+  ``hf_source`` also reads a checkpoint saved by transformers 5, which stores
+  the stack transposed (``[E, out, in]``), as the hub's layout.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ from rlhf_megatron.planning.model_arch import ModelArch
 __all__ = [
     "ArchSpec",
     "DictTensorSource",
+    "ExpertStacker",
     "Layout",
     "ParamRule",
     "ShardSlice",
@@ -89,6 +97,7 @@ __all__ = [
     "mcore_param_names",
     "mcore_to_hf",
     "param_owner",
+    "split_stacked_row",
     "split_tp_shard",
     "tp_partition_dim",
     "tp_shard_slices",
@@ -153,14 +162,22 @@ class DictTensorSource:
 
 
 class _AliasedSource:
-    """A ``TensorSource`` that finds each spec name under the family's alternative prefixes too.
+    """A ``TensorSource`` that finds each spec name under the family's alternative prefixes too,
+    and shows a stacked expert tensor stored transposed (``[E, out, in]``, transformers 5's
+    ``save_pretrained``) in the hub's ``[E, in, out]`` (``stacked``: name -> the hub's shape).
 
     Other attributes (e.g. ``HFCheckpoint.dir``) pass through to the wrapped source.
     """
 
-    def __init__(self, source: TensorSource, aliases: tuple[tuple[str, str], ...]):
+    def __init__(
+        self,
+        source: TensorSource,
+        aliases: tuple[tuple[str, str], ...],
+        stacked: Mapping[str, tuple[int, ...]] | None = None,
+    ):
         self._source = source
         self._aliases = aliases
+        self._stacked = stacked or {}
 
     def _find(self, name: str) -> str:
         if name in self._source:
@@ -173,11 +190,23 @@ class _AliasedSource:
     def __contains__(self, name: str) -> bool:
         return self._find(name) in self._source
 
+    def _transposed(self, name: str) -> bool:
+        hub = self._stacked.get(name)
+        if hub is None:
+            return False
+        swapped = (hub[0], hub[2], hub[1])  # a square expert is refused by ModelArch: never ambiguous
+        return swapped != hub and self._source.shape(self._find(name)) == swapped
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if self._transposed(name):
+            return self._stacked[name]
         return self._source.shape(self._find(name))
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None):
-        return self._source.read(self._find(name), dim, start, stop)
+        if not self._transposed(name):
+            return self._source.read(self._find(name), dim, start, stop)
+        stored_dim = {1: 2, 2: 1}.get(dim, dim) if dim is not None else None
+        return self._source.read(self._find(name), stored_dim, start, stop).transpose(1, 2)
 
     def where(self, name: str) -> str:
         return self._source.where(self._find(name))
@@ -191,9 +220,11 @@ class _AliasedSource:
 def hf_source(source: TensorSource, arch: ModelArch) -> TensorSource:
     """``source`` as ``hf_to_mcore`` should read it for ``arch``: a vision-language checkpoint
     saved with ``model.visual.*`` / ``model.language_model.*`` names reads like the hub's
-    ``visual.*`` / ``model.*``. Text families need no aliases and get ``source`` back."""
+    ``visual.*`` / ``model.*`` (and the other way round for Qwen3-VL), and stacked experts saved
+    transposed read in the hub's orientation. Families needing neither get ``source`` back."""
     aliases = get_arch_spec(arch).hf_aliases
-    return _AliasedSource(source, aliases) if aliases else source
+    stacked = _stacked_hf_shapes(arch)
+    return _AliasedSource(source, aliases, stacked) if aliases or stacked else source
 
 
 def get_arch_spec(arch: ModelArch) -> ArchSpec:
@@ -204,6 +235,55 @@ def get_arch_spec(arch: ModelArch) -> ArchSpec:
         raise SpecError(
             f"no HF⇄mcore spec for model_type {arch.model_type!r}; have {sorted(SPECS)}"
         ) from None
+
+
+# -- stacked experts -----------------------------------------------------------
+
+_STACKED_ROW = re.compile(r"(?P<name>.+)\[(?P<row>\d+)\]")
+
+
+def split_stacked_row(hf_name: str) -> tuple[str, int | None]:
+    """``mcore_to_hf``'s ``name[e]`` (row ``e`` of a stacked expert tensor) -> ``(name, e)``; any
+    other HF name -> ``(hf_name, None)``."""
+    m = _STACKED_ROW.fullmatch(hf_name)
+    return (m.group("name"), int(m.group("row"))) if m else (hf_name, None)
+
+
+class ExpertStacker:
+    """Turns ``mcore_to_hf``'s output into whole HF tensors, for writers of a checkpoint.
+
+    ``add(hf_name, tensor)`` returns what is complete: an ordinary tensor at once, a stacked
+    expert tensor (``name[e]`` rows, ``ParamRule.stacked``) once all ``num_experts`` rows have
+    arrived, in any order. Each stacked tensor is allocated at its first row and the rows are
+    copied in, so a writer holds the stacked tensors in flight (one layer's, in model order) and
+    nothing more. ``pending`` names those still missing rows.
+    """
+
+    def __init__(self, arch: ModelArch):
+        self._rows = arch.moe.num_experts if arch.moe is not None else 0
+        self._stacks: dict[str, tuple[torch.Tensor, set[int]]] = {}
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        name, row = split_stacked_row(hf_name)
+        if row is None:
+            return [(hf_name, tensor)]
+        if name not in self._stacks:
+            stack = torch.empty((self._rows, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            self._stacks[name] = (stack, set())
+        stack, seen = self._stacks[name]
+        if row in seen or not 0 <= row < self._rows:
+            raise SpecError(f"{hf_name}: expert {row} arrived twice or is outside the {self._rows} experts")
+        stack[row].copy_(tensor)
+        seen.add(row)
+        if len(seen) < self._rows:
+            return []
+        del self._stacks[name]
+        return [(name, stack)]
+
+    @property
+    def pending(self) -> list[str]:
+        """Stacked tensors some of whose rows never arrived."""
+        return sorted(self._stacks)
 
 
 # -- rule lookup ---------------------------------------------------------------
@@ -410,12 +490,16 @@ def mcore_to_hf(name: str, full: torch.Tensor, arch: ModelArch) -> list[tuple[st
     """HF tensors for one full megatron tensor (views where possible; no copies of data).
 
     Returns ``[]`` for parameters HF does not store (the tied output layer).
-    Padding (vocabulary rows, vision MLP rows/columns) is trimmed.
+    Padding (vocabulary rows, vision MLP rows/columns) is trimmed. A routed expert stored
+    stacked (``ParamRule.stacked``) gives its row of the stack, ``[in, out]``, named
+    ``stack_name[e]``: pass the output through ``ExpertStacker`` to write a checkpoint.
     """
     resolved = _resolve(name, arch)
     rule, hf = resolved.rule, resolved.hf()
     if not rule.exported:
         return []
+    if rule.stacked:
+        return [(f"{hf[0]}[{resolved.index['expert']}]", full.transpose(0, 1))]
     if rule.layout is Layout.COPY:
         if rule.hf_size is not None:
             full = full.narrow(rule.tp_dim, 0, rule.hf_size(arch))
@@ -438,19 +522,36 @@ def mcore_to_hf(name: str, full: torch.Tensor, arch: ModelArch) -> list[tuple[st
 
 
 def expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Shape of every HF tensor of ``arch``'s checkpoint, in export order (a fresh dict)."""
+    """Shape of every HF tensor of ``arch``'s checkpoint, in export order (a fresh dict); stacked
+    experts in the hub's orientation."""
     return dict(_expected_hf_shapes(arch))
 
 
 @functools.lru_cache(maxsize=64)
 def _expected_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
+    stacker = ExpertStacker(arch)
     for name in mcore_param_names(arch):
         # Run the export transform on shape-only tensors: the spec is its own shape oracle.
         meta = torch.empty(_resolve(name, arch).rule.shape(arch, 1), device="meta")
-        for hf_name, t in mcore_to_hf(name, meta, arch):
-            shapes[hf_name] = tuple(t.shape)
+        for hf_row, t in mcore_to_hf(name, meta, arch):
+            for hf_name, whole in stacker.add(hf_row, t):
+                shapes[hf_name] = tuple(whole.shape)
     return shapes
+
+
+@functools.lru_cache(maxsize=64)
+def _stacked_hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """The stacked expert tensors of ``arch``'s checkpoint and their shapes (hub orientation)."""
+    stacked = {
+        t.format(layer=i)
+        for rule in get_arch_spec(arch).rules
+        if rule.stacked and rule.when(arch)
+        for i in range(arch.num_layers)
+        if rule.on_layer is None or rule.on_layer(arch, i)
+        for t in rule.hf
+    }
+    return {n: s for n, s in _expected_hf_shapes(arch).items() if n in stacked}
 
 
 def _read_padded(
@@ -517,6 +618,10 @@ def hf_to_mcore(
                 f"{source.where(hf_name)} has shape {list(got)}, but config.json "
                 f"({arch.architecture}) implies {list(expected[hf_name])}; the weights and the config disagree"
             )
+    if rule.stacked:  # expert e's row of the layer's stack, [in, out] -> megatron's [out, in]
+        e = resolved.index["expert"]
+        whole = source.read(hf[0], 0, e, e + 1)[0].transpose(0, 1)
+        return split_tp_shard(name, whole, arch, tp_rank, tp_size).contiguous()
     slices = tp_shard_slices(name, arch, tp_rank, tp_size)
     if rule.layout is Layout.COPY and rule.row_order is not None:
         return _read_reordered(source, hf[0], rule, arch, slices)

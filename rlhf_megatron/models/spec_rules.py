@@ -33,6 +33,11 @@ arguments (``_copy`` for the common ``Layout.COPY`` case).
   (``{block}``, all on the first pipeline stage) and the patch merger. transformers-5 checkpoints written with
   other prefixes (``model.visual.``, ``model.language_model.``) are read through
   ``ArchSpec.hf_aliases``.
+- Qwen3-VL and Qwen3-VL-MoE (``_qwen3_vl_spec``): Qwen3-VL's tower with DeepStack mergers over a
+  Qwen3 or Qwen3-MoE decoder, HF names under ``model.visual.`` / ``model.language_model.``.
+  Qwen3-VL-MoE's checkpoint stacks each sparse layer's experts into one ``experts.gate_up_proj``
+  and one ``experts.down_proj`` (``MoENames.stacked``): megatron's per-expert ``linear_fc1`` /
+  ``linear_fc2`` are rows of those (``ParamRule.stacked``).
 
 Name templates: ``{layer}`` is a global language-model layer, ``{block}`` a
 vision block, ``{expert}`` a global expert of a sparse layer.
@@ -105,6 +110,12 @@ class ParamRule:
     row_order: Callable[[ModelArch], tuple[int, ...]] | None = None
     """For a ``Layout.COPY`` rule: megatron row ``j`` is HF row ``row_order(arch)[j]`` (dim 0),
     e.g. MLA's rotary rows of an HF checkpoint that rotates halves (megatron's MLA de-interleaves)."""
+    stacked: bool = False
+    """For an ``expert`` rule: its one HF tensor holds every expert of the layer, each transposed:
+    ``hf[e]`` is expert ``e``'s ``[in, out]``, so megatron's expert ``e`` is ``hf[e].T`` (Qwen3-VL-MoE's
+    ``experts.gate_up_proj`` ``[E, hidden, 2 x width]`` of ``[gate | up]`` columns and
+    ``experts.down_proj`` ``[E, width, hidden]``, as the hub stores them). ``spec.mcore_to_hf`` gives
+    that row as ``name[e]``; ``spec.ExpertStacker`` assembles the rows."""
 
 
 @dataclass(frozen=True)
@@ -246,10 +257,14 @@ class MoENames:
     up: str
     down: str
     """An expert's projections: ``gate_proj``/``up_proj``/``down_proj`` (Qwen) or ``w1``/``w3``/``w2`` (Mixtral)."""
+    stacked: bool = False
+    """One tensor per projection holds all the layer's experts (``block.experts.<gate>`` with
+    ``gate`` = ``up``: the ``[gate | up]`` stack, and ``block.experts.<down>``; Qwen3-VL-MoE)."""
 
 
 QWEN_MOE = MoENames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_MOE = MoENames("block_sparse_moe", "w1", "w3", "w2")
+QWEN3_VL_MOE = MoENames("mlp", "gate_up_proj", "gate_up_proj", "down_proj", stacked=True)
 
 
 def _embedding_rules(e: str) -> tuple[ParamRule, ...]:
@@ -405,7 +420,10 @@ def _expert_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
     """A sparse layer's routed experts, each a SwiGLU MLP split by expert tensor parallelism.
 
     Megatron names: the local spec's SequentialMLP first, then the transformer-engine
-    spec's TEGroupedMLP; ``{expert}`` is the global expert index in both."""
+    spec's TEGroupedMLP; ``{expert}`` is the global expert index in both. ``names.stacked``: each
+    expert is a row of the layer's stacked HF tensors (``ParamRule.stacked``)."""
+    if names.stacked:
+        return _stacked_expert_rules(L, H, names)
     M, X = L + "mlp.experts.", H + f"{names.block}.experts.{{expert}}."
     return (
         ParamRule(
@@ -424,6 +442,33 @@ def _expert_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
             shape=lambda a, tp: (a.hidden_size, a.moe.ffn_hidden_size),
             on_layer=_moe_layer,
             expert=True,
+        ),
+    )
+
+
+def _stacked_expert_rules(L: str, H: str, names: MoENames) -> tuple[ParamRule, ...]:
+    """``_expert_rules`` for a checkpoint that stacks the layer's experts: expert ``e``'s ``[gate; up]``
+    is row ``e`` of ``experts.<gate>`` transposed, its down projection row ``e`` of ``experts.<down>``."""
+    M, X = L + "mlp.experts.", H + f"{names.block}.experts."
+    return (
+        ParamRule(
+            mcore=(M + "local_experts.{expert}.linear_fc1.weight", M + "linear_fc1.weight{expert}"),
+            hf=(X + names.gate,),
+            layout=Layout.GATE_UP,
+            tp_dim=0,
+            shape=lambda a, tp: (2 * a.moe.ffn_hidden_size, a.hidden_size),
+            on_layer=_moe_layer,
+            expert=True,
+            stacked=True,
+        ),
+        _copy(
+            (M + "local_experts.{expert}.linear_fc2.weight", M + "linear_fc2.weight{expert}"),
+            X + names.down,
+            tp_dim=1,
+            shape=lambda a, tp: (a.hidden_size, a.moe.ffn_hidden_size),
+            on_layer=_moe_layer,
+            expert=True,
+            stacked=True,
         ),
     )
 
@@ -840,21 +885,28 @@ _VL_SPEC = ArchSpec(
     # transformers 5.x may save the tower and the language model under model.*.
     hf_aliases=(("visual.", "model.visual."), ("model.", "model.language_model.")),
 )
-# Qwen3-VL checkpoints (the hub's and transformers 5's) keep the tower under model.visual.* and the
-# language model under model.language_model.*, the names vLLM's Qwen3-VL loads; older layouts alias.
-_QWEN3_VL_SPEC = ArchSpec(
-    ("qwen3_vl",),
-    _rehomed(
-        qwen3_vision_rules() + decoder_rules("language_model."),
-        {"visual.": "model.visual.", "model.": "model.language_model."},
-    ),
-    hf_aliases=(("model.visual.", "visual."), ("model.language_model.", "model.")),
-)
+
+
+def _qwen3_vl_spec(model_type: str, moe: MoENames | None = None) -> ArchSpec:
+    """Qwen3-VL (``moe`` None) or Qwen3-VL-MoE. Their checkpoints (the hub's and transformers 5's)
+    keep the tower under model.visual.* and the language model under model.language_model.*, the
+    names vLLM's Qwen3-VL loads; older layouts alias."""
+    return ArchSpec(
+        (model_type,),
+        _rehomed(
+            qwen3_vision_rules() + decoder_rules("language_model.", moe=moe),
+            {"visual.": "model.visual.", "model.": "model.language_model."},
+        ),
+        hf_aliases=(("model.visual.", "visual."), ("model.language_model.", "model.")),
+    )
+
+
 SPECS: dict[str, ArchSpec] = {
     **{t: ArchSpec((t,), decoder_rules()) for t in _TEXT_TYPES},
     **{t: ArchSpec((t,), decoder_rules(moe=names)) for t, names in _MOE_TYPES.items()},
     **dict.fromkeys(_VL_TYPES, _VL_SPEC),
-    "qwen3_vl": _QWEN3_VL_SPEC,
+    "qwen3_vl": _qwen3_vl_spec("qwen3_vl"),
+    "qwen3_vl_moe": _qwen3_vl_spec("qwen3_vl_moe", QWEN3_VL_MOE),
     "deepseek_v3": ArchSpec(("deepseek_v3",), deepseek_moe_decoder_rules(mla=True)),
     "glm4_moe": ArchSpec(("glm4_moe",), deepseek_moe_decoder_rules(mla=False)),
 }

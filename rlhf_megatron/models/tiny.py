@@ -11,8 +11,8 @@ head_dim defaults to 64 because vLLM's CPU attention rejects 16. Keep
 (shared expert, q/k/v biases), Mixtral, DeepSeek-V3 (multi-latent attention with YaRN,
 group-limited sigmoid routing) or GLM-4.5 with the same tokenizer.
 
-``make_tiny_qwen2_5_vl`` writes a tiny Qwen2.5-VL (or Qwen2-VL) with the tiny
-VL processor (``data.tokenizer.build_tiny_vl_processor``), so
+``make_tiny_qwen2_5_vl`` writes a tiny Qwen2.5-VL (or Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE) with the
+tiny VL processor (``data.tokenizer.build_tiny_vl_processor``), so
 ``AutoProcessor.from_pretrained`` and vLLM load the directory as they would a
 released checkpoint.
 """
@@ -352,6 +352,9 @@ def make_vllm_ready_moe_model(out_dir: str | Path, family: str, **overrides) -> 
     return make_tiny_moe_model(out_dir, family, **{**sizes, **overrides})
 
 
+TINY_VL_FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
 def build_tiny_qwen2_5_vl(
     family: str = "qwen2_5_vl",
     num_layers: int = 2,
@@ -367,14 +370,20 @@ def build_tiny_qwen2_5_vl(
     window_size: int = 56,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    num_experts: int = 4,
+    top_k: int = 2,
+    expert_ffn_hidden_size: int = 64,
 ):
-    """A random Qwen2.5-VL (``family="qwen2_vl"``: Qwen2-VL; ``"qwen3_vl"``: Qwen3-VL) and the
-    tiny VL processor: ``(model, processor)``.
+    """A random Qwen2.5-VL (``family="qwen2_vl"``: Qwen2-VL; ``"qwen3_vl"``: Qwen3-VL;
+    ``"qwen3_vl_moe"``: Qwen3-VL-MoE) and the tiny VL processor: ``(model, processor)``.
 
     Qwen3-VL: 16-pixel patches, a 4 x 4 grid of learned positions, LayerNorm blocks with a
     tanh-GELU MLP, DeepStack after vision blocks 0 and ``vision_depth - 1`` (two levels, so the
     language model needs at least 2 layers on its first pipeline stage), Qwen3's q/k norms and
-    interleaved M-RoPE, ``head_dim`` given apart from hidden / heads.
+    interleaved M-RoPE, ``head_dim`` given apart from hidden / heads. Qwen3-VL-MoE: the same with
+    every decoder layer sparse, ``num_experts`` experts of ``expert_ffn_hidden_size`` (64: not square
+    against the hidden size, see ``ModelArch``), ``top_k`` per token, router weights drawn wider
+    (N(0, 0.5)) so rounding never decides the top-k.
 
     Defaults: vision depth 2 (block 0 windowed over 2 x 2 merged tokens, block 1 full
     attention), width 128 in 4 heads of 32, MLP 252 (not a multiple of 8: megatron pads it;
@@ -386,11 +395,10 @@ def build_tiny_qwen2_5_vl(
 
     from rlhf_megatron.data.tokenizer import build_tiny_vl_processor
 
-    if family not in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):
-        raise ValueError(
-            f"tiny vision-language model: family {family!r} is not 'qwen2_5_vl', 'qwen2_vl' or 'qwen3_vl'"
-        )
-    processor = build_tiny_vl_processor(family=family) if family == "qwen3_vl" else build_tiny_vl_processor()
+    if family not in TINY_VL_FAMILIES:
+        raise ValueError(f"tiny vision-language model: family {family!r} is not one of {TINY_VL_FAMILIES}")
+    qwen3 = family in ("qwen3_vl", "qwen3_vl_moe")
+    processor = build_tiny_vl_processor(family="qwen3_vl") if qwen3 else build_tiny_vl_processor()
     tokenizer = processor.tokenizer
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _VL_TOKENS.items()}
     text = dict(
@@ -420,7 +428,7 @@ def build_tiny_qwen2_5_vl(
         temporal_patch_size=image.temporal_patch_size,
         spatial_merge_size=image.merge_size,
     )
-    if family == "qwen3_vl":
+    if qwen3:
         text["head_dim"] = hidden_size // num_heads
         # What Qwen's released configs say; vLLM reads it (transformers interleaves regardless).
         text["rope_parameters"]["mrope_interleaved"] = True
@@ -432,6 +440,16 @@ def build_tiny_qwen2_5_vl(
             deepstack_visual_indexes=[0, vision_depth - 1],
         )
         config_cls, model_cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        if family == "qwen3_vl_moe":
+            text.update(
+                num_experts=num_experts,
+                num_experts_per_tok=top_k,
+                moe_intermediate_size=expert_ffn_hidden_size,
+                norm_topk_prob=True,  # what transformers does anyway; vLLM reads the key
+                router_aux_loss_coef=0.01,
+            )
+            config_cls = transformers.Qwen3VLMoeConfig
+            model_cls = transformers.Qwen3VLMoeForConditionalGeneration
     elif family == "qwen2_5_vl":
         vision.update(
             hidden_size=vision_hidden_size,
@@ -459,7 +477,8 @@ def build_tiny_qwen2_5_vl(
             if "norm" in name or "ln_q" in name:  # Qwen3-VL's merger norms are "norm" too
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+                std = 0.5 if name.endswith("mlp.gate.weight") else 0.05  # a router: see the docstring
+                p.copy_(std * torch.randn(p.shape, generator=g))
     return model, processor
 
 
@@ -472,13 +491,31 @@ _VL_TOKENS = {
 
 
 def make_tiny_qwen2_5_vl(out_dir: str | Path, family: str = "qwen2_5_vl", seed: int = 0, **sizes) -> Path:
-    """Write a random tiny Qwen2.5-VL (or Qwen2-VL) plus its processor and tokenizer to ``out_dir``.
+    """Write a random tiny Qwen2.5-VL (or Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE) plus its processor and
+    tokenizer to ``out_dir``.
 
-    ``sizes`` are ``build_tiny_qwen2_5_vl``'s (e.g. ``tie_word_embeddings=True``).
+    ``sizes`` are ``build_tiny_qwen2_5_vl``'s (e.g. ``tie_word_embeddings=True``). Qwen3-VL-MoE's
+    stacked experts are stored as the hub stores them, ``[E, hidden, 2 x width]`` and
+    ``[E, width, hidden]``: transformers 5's ``save_pretrained`` writes them transposed, which
+    transformers reads either way but vLLM (which always transposes) does not.
     """
     model, processor = build_tiny_qwen2_5_vl(family=family, seed=seed, **sizes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     processor.save_pretrained(out_dir)
+    if family == "qwen3_vl_moe":
+        _stack_experts_as_the_hub(out_dir)
     return out_dir
+
+
+def _stack_experts_as_the_hub(out_dir: Path) -> None:
+    """Transpose the stacked expert tensors of ``save_pretrained``'s single file to the hub's layout."""
+    from safetensors.torch import load_file, save_file
+
+    path = out_dir / "model.safetensors"
+    state = load_file(str(path))
+    for name in state:
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            state[name] = state[name].transpose(1, 2).contiguous()
+    save_file(state, str(path), metadata={"format": "pt"})

@@ -16,9 +16,10 @@ experts, over grouped-query attention with partial rotary and optional q/k norms
 vision-language
 Qwen2-VL and Qwen2.5-VL (``*ForConditionalGeneration``: a Qwen2 language model
 with M-RoPE plus a vision tower, described by ``VisionArch``) and Qwen3-VL (a Qwen3 language
-model with interleaved M-RoPE and DeepStack features from the tower). Anything else is
-rejected here, with the list of what is supported, so an unsupported model never
-reaches megatron.
+model with interleaved M-RoPE and DeepStack features from the tower) with its
+mixture-of-experts sibling Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B: a Qwen3-MoE language model,
+whose router always renormalises its top-k). Anything else is rejected here, with the list of what
+is supported, so an unsupported model never reaches megatron.
 
 Vision-language configs come in two layouts, both accepted: the hub's (text keys at
 the top level, ``rope_scaling: {type: mrope, mrope_section}``, ``vision_config``) and
@@ -90,6 +91,7 @@ _FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family("Qwen2VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
     "qwen2_5_vl": _Family("Qwen2_5_VL", True, False, _VL_HEADS, vision=True, norm_eps=1e-5),
     "qwen3_vl": _Family("Qwen3VL", False, True, _VL_HEADS, vision=True),
+    "qwen3_vl_moe": _Family("Qwen3VLMoe", False, True, _VL_HEADS, vision=True, moe=True),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
     f.prefix + suffix for f in _FAMILIES.values() for suffix in f.heads
@@ -98,6 +100,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
 _MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # Families whose routers are DeepSeekMoE's: sigmoid scores, score-correction bias, groups.
 _SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")
+# Qwen3-VL's tower, interleaved M-RoPE and frames apart, on a dense or a mixture-of-experts decoder.
+_QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Critic/reward variants of any family (for a vision-language family they exist only
 # inside this project: HF has no such class).
 _SCALAR_HEAD_SUFFIXES = {"value": "ForTokenClassification", "reward": "ForSequenceClassification"}
@@ -320,7 +324,8 @@ class ModelArch:
     """HF class name, e.g. ``LlamaForCausalLM`` (one of ``SUPPORTED_ARCHITECTURES``)."""
     model_type: str
     """HF ``model_type``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``qwen2_moe``, ``qwen3_moe``,
-    ``mixtral``, ``deepseek_v3`` (Kimi-K2's ``kimi_k2`` too), ``glm4_moe``, ``qwen2_vl`` or ``qwen2_5_vl``."""
+    ``mixtral``, ``deepseek_v3`` (Kimi-K2's ``kimi_k2`` too), ``glm4_moe``, ``qwen2_vl``, ``qwen2_5_vl``,
+    ``qwen3_vl`` or ``qwen3_vl_moe``."""
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -479,6 +484,8 @@ class ModelArch:
         missing = [k for k in _REQUIRED_KEYS if text.get(k) is None]
         if missing:
             raise UnsupportedModelError(f"{source}: required key(s) {', '.join(map(repr, missing))} missing")
+        if model_type == "qwen3_vl_moe":
+            _check_qwen3_vl_moe(config, text, source)
 
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
         mla = _mla_arch(text, source) if model_type == "deepseek_v3" else None
@@ -726,14 +733,18 @@ _MOE_DEFAULTS = {
     "mixtral": (8, 2, None, None),
     "qwen2_moe": (60, 4, 1408, 5632),
     "qwen3_moe": (128, 8, 768, None),
+    "qwen3_vl_moe": (60, 4, 1408, None),
 }
 
 
 def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
-    """``MoEArch`` from a Qwen2-MoE / Qwen3-MoE / Mixtral config (transformers' defaults for missing keys).
+    """``MoEArch`` from a Qwen2-MoE / Qwen3-MoE / Qwen3-VL-MoE / Mixtral config (transformers' defaults
+    for missing keys).
 
     Hub configs name the expert count ``num_experts`` (Qwen) or ``num_local_experts``
-    (Mixtral); transformers 5 writes ``num_local_experts`` for Qwen3-MoE too.
+    (Mixtral); transformers 5 writes ``num_local_experts`` for Qwen3-MoE too. Qwen3-VL-MoE's
+    router renormalises its top-k whatever ``norm_topk_prob`` says (``_check_qwen3_vl_moe``
+    refuses a config saying false, which vLLM would follow).
     """
     if model_type in _SIGMOID_ROUTER_FAMILIES:
         return _deepseek_moe_arch(config, model_type, source)
@@ -751,7 +762,7 @@ def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
     else:
         width, norm = (
             int(config.get("moe_intermediate_size") or width),
-            bool(config.get("norm_topk_prob", False)),
+            model_type == "qwen3_vl_moe" or bool(config.get("norm_topk_prob", False)),
         )
         step = int(config.get("decoder_sparse_step", 1) or 1)
         dense = {int(i) for i in config.get("mlp_only_layers") or ()}
@@ -777,6 +788,44 @@ def _moe_arch(config: dict[str, Any], model_type: str, source: str) -> MoEArch:
         moe_layers=sparse,
         shared_expert_ffn_hidden_size=int(shared) if shared else None,
     )
+
+
+def _check_qwen3_vl_moe(config: dict[str, Any], text: dict[str, Any], source: str) -> None:
+    """Refuse a Qwen3-VL-MoE config that transformers and vLLM would run as two different models.
+
+    - transformers' router always renormalises the top-k; vLLM follows ``norm_topk_prob``.
+    - transformers ties the LM head by the top-level ``tie_word_embeddings`` (default false), vLLM
+      by ``text_config.tie_word_embeddings`` (whose transformers default is true).
+    - The checkpoint stacks each layer's experts into ``experts.gate_up_proj`` / ``down_proj``,
+      the hub as ``[E, hidden, 2 x width]`` / ``[E, width, hidden]``, transformers 5's
+      ``save_pretrained`` transposed; the orientation is read from the shape, which a square
+      expert (``hidden_size`` equal to ``moe_intermediate_size`` or twice it) leaves ambiguous,
+      and transformers and vLLM then read it in opposite ways.
+    """
+    if text.get("norm_topk_prob") is False:
+        raise UnsupportedModelError(
+            f"{source}: norm_topk_prob=false is not supported for qwen3_vl_moe: transformers' "
+            "Qwen3-VL-MoE router renormalises its top-k whatever the key says and vLLM follows the key; "
+            "set text_config.norm_topk_prob to true"
+        )
+    nested = config.get("text_config")
+    top = bool(config.get("tie_word_embeddings", False))
+    inner = bool(nested.get("tie_word_embeddings", True)) if nested else top
+    if top != inner:
+        raise UnsupportedModelError(
+            f"{source}: tie_word_embeddings is {str(top).lower()} (transformers ties the LM head by this "
+            f"top-level key) but text_config.tie_word_embeddings is {str(inner).lower()} (vLLM ties by it; "
+            "transformers' default there is true); set both to the same value"
+        )
+    hidden = int(text["hidden_size"])
+    width = int(text.get("moe_intermediate_size") or _MOE_DEFAULTS["qwen3_vl_moe"][2])
+    if hidden in (width, 2 * width):
+        raise UnsupportedModelError(
+            f"{source}: moe_intermediate_size={width} with hidden_size={hidden} is not supported: the "
+            "stacked expert tensors (experts.gate_up_proj, experts.down_proj) are then square per expert, "
+            "so their orientation (the hub's [experts, hidden, 2 x width] or transformers 5's transpose) "
+            "cannot be told from the shape, and transformers and vLLM read them in opposite ways"
+        )
 
 
 # transformers' defaults: (routed experts, per token, expert width, shared experts, groups,
@@ -884,11 +933,11 @@ def _vision_fields(
             f"entries but the language model has only {layers} layers to add them to"
         )
     tokens = {k: int(config.get(k, text.get(k, v))) for k, v in _VL_TOKEN_DEFAULTS.items()}
-    interleaved = model_type == "qwen3_vl"
+    interleaved = model_type in _QWEN3_VL_TYPES
     if interleaved and rope.get("mrope_interleaved") is not True:
         # transformers always interleaves Qwen3-VL's sections; vLLM only when the config says so.
         raise UnsupportedModelError(
-            f'{source}: a qwen3_vl config needs "mrope_interleaved": true in text_config.rope_parameters '
+            f'{source}: a {model_type} config needs "mrope_interleaved": true in text_config.rope_parameters '
             "(or rope_scaling), as Qwen's released configs have it: without it vLLM rotates the M-RoPE "
             "sections one after another while transformers and the trainer interleave them"
         )
@@ -928,7 +977,7 @@ def _vision_arch(v: dict[str, Any] | None, model_type: str, source: str) -> Visi
                 f"{source}: vision_config.window_size={window} is smaller than one merged token "
                 f"(patch_size x spatial_merge_size = {vision.patch_size * vision.spatial_merge_size} pixels)"
             )
-    elif model_type == "qwen3_vl":
+    elif model_type in _QWEN3_VL_TYPES:
         # LayerNorm, fc1 -> tanh-GELU -> fc2, full attention, learned positions, DeepStack.
         act, want = v.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh"
         depth = common["depth"] = int(v.get("depth", 27))

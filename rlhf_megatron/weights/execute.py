@@ -45,6 +45,7 @@ from rlhf_megatron.weights.plan import (
     VLLM_VOCAB_PADDING,
     ParamTransfer,
     SyncPlan,
+    vllm_hf_tensors,
     vllm_kv_heads_per_rank,
     vllm_param_name,
 )
@@ -108,11 +109,11 @@ class WeightSyncer:
     ) -> list[tuple[str, torch.Tensor]]:
         arch = self.plan.arch
         if self.plan.load_format == "hf":
-            return mcore_to_hf(t.name, tensor, arch)
+            return vllm_hf_tensors(t.name, tensor, arch)
         rank, tp = self.rollout_rank, self.plan.rollout_tp
         if t.ep_rank is not None:  # one expert's row of vLLM's fused parameter, for this vLLM rank
             target = next(x for x in t.targets if x.rollout_rank == rank)
-            pieces = [_vllm_slice(n, x, arch, rank, tp) for n, x in mcore_to_hf(t.name, tensor, arch)]
+            pieces = [_vllm_slice(n, x, arch, rank, tp) for n, x in vllm_hf_tensors(t.name, tensor, arch)]
             return [(target.stream_name, torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])]
         if not is_full:  # aligned local shard: only QKV needs de-interleaving into [q_r; k_r; v_r]
             if "linear_qkv" in t.name:

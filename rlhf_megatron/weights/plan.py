@@ -34,6 +34,12 @@ Load formats:
   TP-split parameter needs a gather. Vision-language models stream the vision
   tower and merger too (owned by pipeline stage 0), under the hub's names
   (``visual.*``, ``model.*``, ``lm_head.weight``), which vLLM maps itself.
+  Routed experts go one by one under Qwen3-MoE's per-expert names
+  (``…experts.E.gate_proj.weight``, ``up_proj``, ``down_proj``), also for
+  Qwen3-VL-MoE, whose checkpoint stacks a layer's experts into one tensor per
+  projection: vLLM's fused-MoE loader takes both, but the stack only whole (all
+  the layer's experts in one tensor), so the sync sends them per expert
+  (``vllm_hf_tensors``) and buckets them like any other family's.
 - ``sharded``: tensors already cut for the receiving vLLM TP rank, with
   vLLM's fused names (``qkv_proj``, ``gate_up_proj``). When rollout TP ==
   training TP, the QKV, gate/up, output-projection and down-projection shards
@@ -60,6 +66,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlhf_megatron.models.spec import (
     expert_owner,
@@ -68,10 +75,14 @@ from rlhf_megatron.models.spec import (
     mcore_param_names,
     mcore_to_hf,
     param_owner,
+    split_stacked_row,
     tp_partition_dim,
     tp_shard_slices,
 )
 from rlhf_megatron.planning.model_arch import ModelArch
+
+if TYPE_CHECKING:
+    import torch
 
 LOAD_FORMATS = ("hf", "sharded")
 
@@ -267,6 +278,34 @@ def vllm_param_name(mcore_name: str, hf_name: str) -> str:
     return hf_name
 
 
+def vllm_hf_tensors(name: str, full: torch.Tensor, arch: ModelArch) -> list[tuple[str, torch.Tensor]]:
+    """``mcore_to_hf`` as vLLM's loader takes it, one expert at a time.
+
+    A routed expert that the checkpoint stores as row ``e`` of a stacked tensor (Qwen3-VL-MoE's
+    ``…mlp.experts.gate_up_proj[e]``, ``[hidden, 2F]``; ``…down_proj[e]``, ``[F, hidden]``) goes
+    under Qwen3-MoE's per-expert names, ``…mlp.experts.e.gate_proj.weight`` and ``up_proj.weight``
+    (``[F, hidden]`` each) and ``down_proj.weight`` (``[hidden, F]``): vLLM's ``RoutedExperts``
+    loader maps these onto expert ``e``'s rows, while a stacked tensor must carry every expert
+    (its rows are taken as experts 0, 1, ...). Everything else passes through.
+    """
+    out = []
+    for hf_name, t in mcore_to_hf(name, full, arch):
+        stack, e = split_stacked_row(hf_name)
+        if e is None:
+            out.append((hf_name, t))
+            continue
+        experts, _, projection = stack.rpartition(".")  # …mlp.experts, gate_up_proj / down_proj
+        weight = t.transpose(0, 1)  # back to megatron's [out, in]: the per-expert HF orientation
+        if projection == "gate_up_proj":
+            gate, up = weight.chunk(2, dim=0)
+            out += [(f"{experts}.{e}.gate_proj.weight", gate), (f"{experts}.{e}.up_proj.weight", up)]
+        elif projection == "down_proj":
+            out.append((f"{experts}.{e}.down_proj.weight", weight))
+        else:
+            raise ValueError(f"weight sync: no per-expert names for the stacked tensor {stack}")
+    return out
+
+
 def vllm_expert_index(hf_name: str) -> int | None:
     """The expert of an HF expert tensor name (``….experts.5.gate_proj.weight`` -> 5), else None."""
     m = _EXPERT_INDEX.search(hf_name)
@@ -277,7 +316,7 @@ def _targets(name: str, arch: ModelArch, load_format: str, rollout_tp: int, tp: 
     import torch
 
     meta = torch.empty(mcore_full_shape(name, arch, tp), device="meta")
-    hf = [(n, tuple(t.shape)) for n, t in mcore_to_hf(name, meta, arch)]
+    hf = [(n, tuple(t.shape)) for n, t in vllm_hf_tensors(name, meta, arch)]
     if load_format == "hf":
         return tuple(Target(n, s) for n, s in hf)
     out = []

@@ -113,7 +113,7 @@ def test_heads_from_architectures_and_overrides():
     actor = ModelArch.from_hf_config(config)
     assert actor.with_head("value") == critic
     assert ModelArch.from_hf_config(config, head="reward") == rm
-    assert len(SUPPORTED_ARCHITECTURES) == 30  # 4 text and 5 MoE families x 3 heads, 3 vision-language
+    assert len(SUPPORTED_ARCHITECTURES) == 31  # 4 text and 5 MoE families x 3 heads, 4 vision-language
 
 
 def test_padded_vocab_and_json_round_trip(tmp_path):

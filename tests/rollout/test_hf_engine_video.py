@@ -33,7 +33,12 @@ def rows(tmp_path_factory):
     (root / "still.png").write_bytes(png(56, 56))
     table = [
         {"problem": "<video>Which way?", "answer": "right", "images": [], "videos": [clips[0]]},
-        {"problem": "<image>then<video>Same?", "answer": "yes", "images": ["still.png"], "videos": [clips[1]]},
+        {
+            "problem": "<image>then<video>Same?",
+            "answer": "yes",
+            "images": ["still.png"],
+            "videos": [clips[1]],
+        },
         {"problem": "Just text.", "answer": "ok", "images": [], "videos": []},
     ]
     path = root / "rows.parquet"
@@ -52,7 +57,9 @@ def _prompts(model_dir: str, data: str):
         max_prompt_length=160,
         return_raw_chat=False,
     )
-    dataset = RLHFDataset(data, AutoTokenizer.from_pretrained(model_dir), cfg, load_vision_processor(model_dir))
+    dataset = RLHFDataset(
+        data, AutoTokenizer.from_pretrained(model_dir), cfg, load_vision_processor(model_dir)
+    )
     return collate_fn([dataset[i] for i in range(len(dataset))])
 
 
