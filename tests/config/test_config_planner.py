@@ -49,6 +49,7 @@ def _arch(preset: str) -> ModelArch:
         ("models/qwen2.5_vl_7b.yaml", 8.29e9),  # vision tower included
         ("models/qwen2.5_vl_72b.yaml", 73.4e9),
         ("models/qwen3_vl_8b.yaml", 8.77e9),  # DeepStack mergers and learned positions included
+        ("models/qwen3_vl_30b_a3b.yaml", 31.1e9),
         ("examples/countdown_grpo.yaml", 3.09e9),
     ],
 )
@@ -102,6 +103,7 @@ def test_there_is_a_preset_for_every_model_the_project_promises():
         "models/qwen3_235b_a22b.yaml",
         "models/qwen3_30b_a3b.yaml",
         "models/qwen3_30b_a3b_lora.yaml",
+        "models/qwen3_vl_30b_a3b.yaml",
         "models/qwen3_vl_8b.yaml",
     ]
 
