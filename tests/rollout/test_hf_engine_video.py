@@ -1,6 +1,7 @@
-"""The transformers rollout engine on video prompts (Qwen2.5-VL and Qwen3-VL): it generates from the
-dataset's rows of clips and images, and the log-probs it reports are those of a teacher-forced
-transformers forward over the whole sequence with the rows' own M-RoPE positions."""
+"""The transformers rollout engine on video prompts (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): it
+generates from the dataset's rows of clips and images, and the log-probs it reports are those of
+a teacher-forced transformers forward over the whole sequence with the rows' own M-RoPE
+positions."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _teacher_forced(model, out) -> torch.Tensor:
     return lp.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1) * out["response_mask"]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_hf_engine_generates_from_clips_with_the_rows_positions(rows, family):
     data, root = rows
     model_dir = str(make_tiny_qwen2_5_vl(root / family, family=family))
