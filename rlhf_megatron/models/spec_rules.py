@@ -665,12 +665,19 @@ def _vision_hidden(a: ModelArch, tp: int) -> tuple[int, ...]:
     return (_vh(a),)
 
 
-def _vision_norm_rules(mcore: tuple[str, ...], hf: str) -> tuple[ParamRule, ...]:
-    """A vision norm: its weight, and its bias when it is a LayerNorm (Qwen2-VL)."""
+def _merged_width(a: ModelArch, tp: int) -> tuple[int, ...]:
+    """A norm over ``m x m`` patches side by side (Qwen3-VL's DeepStack mergers; replicated)."""
+    return (a.vision.merged_hidden_size,)
+
+
+def _vision_norm_rules(
+    mcore: tuple[str, ...], hf: str, shape: ShapeFn = _vision_hidden
+) -> tuple[ParamRule, ...]:
+    """A vision norm: its weight, and its bias when it is a LayerNorm (Qwen2-VL, Qwen3-VL)."""
     bias = tuple(m.removesuffix("weight") + "bias" for m in mcore)  # layer_norm_weight -> layer_norm_bias
     return (
-        _copy(mcore, hf + ".weight", shape=_vision_hidden),
-        _copy(bias, hf + ".bias", shape=_vision_hidden, when=_layernorm),
+        _copy(mcore, hf + ".weight", shape=shape),
+        _copy(bias, hf + ".bias", shape=shape, when=_layernorm),
     )
 
 
@@ -781,27 +788,19 @@ def _merger_rules(
     ``names``: HF's norm, fc1 and fc2; ``postshuffle``: the norm spans the m x m patches (Qwen3-VL's
     DeepStack mergers) rather than one patch."""
     norm, fc1, fc2 = names
-    if postshuffle:
-        width = lambda a, tp: (a.vision.merged_hidden_size,)  # noqa: E731
-        norm_rules = (
-            _copy(M + "ln_q.weight", H + norm + ".weight", shape=width),
-            _copy(M + "ln_q.bias", H + norm + ".bias", shape=width, when=_layernorm),
-        )
-    else:
-        norm_rules = _vision_norm_rules((M + "ln_q.weight",), H + norm)
     return (
-        *norm_rules,
+        *_vision_norm_rules((M + "ln_q.weight",), H + norm, _merged_width if postshuffle else _vision_hidden),
         _copy(
             M + "mlp.linear_fc1.weight",
             H + fc1 + ".weight",
             tp_dim=0,
-            shape=lambda a, tp: (a.vision.merged_hidden_size,) * 2,
+            shape=lambda a, tp: _merged_width(a, tp) * 2,
         ),
         _copy(
             M + "mlp.linear_fc1.bias",
             H + fc1 + ".bias",
             tp_dim=0,
-            shape=lambda a, tp: (a.vision.merged_hidden_size,),
+            shape=_merged_width,
         ),
         _copy(
             M + "mlp.linear_fc2.weight",

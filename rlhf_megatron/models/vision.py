@@ -160,6 +160,9 @@ class VisionLayout:
     """Each window attends to itself (None without windows)."""
     rotary: torch.Tensor
     """``[S, 1, 1, head_dim]`` rotary angles in block order."""
+    taps: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Qwen3-VL's learned positions resampled to each image: ``[S, 4]`` rows of the ``side x side``
+    table and their bilinear weights, in the processor's (merge-unit) order; None without them."""
 
 
 def _rotary(positions: torch.Tensor, vision: VisionArch) -> torch.Tensor:
@@ -187,13 +190,14 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
     """The ``VisionLayout`` of images with grids ``[num_images, 3]`` (as transformers computes it)."""
     m = vision.spatial_merge_size
     unit, win = m * m, vision.window_tokens
-    positions, frames, windows, window_sizes, offset = [], [], [], [], 0
+    positions, sizes, frames, windows, window_sizes, offset = [], [], [], [], [], 0
     for t, h, w in grid_thw.tolist():
         gh, gw = h // m, w // m
         # Patches arrive merge-unit by merge-unit: (gh, gw, m, m) order.
         rows = torch.arange(h)[:, None].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
         cols = torch.arange(w)[None, :].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
         positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+        sizes.append(torch.tensor([h, w]).expand(t * h * w, 2))
         frames += [h * w] * t
         if win is not None:
             blocks, sizes = _windows(t, gh, gw, win, offset)
@@ -201,6 +205,11 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
             window_sizes += [s * unit for s in sizes]
         offset += t * gh * gw
     position = torch.cat(positions).to(device)
+    taps = None
+    if vision.num_position_embeddings is not None:
+        taps = _position_taps(
+            position, torch.cat(sizes).to(device), math.isqrt(vision.num_position_embeddings)
+        )
     order = restore = window = None
     if win is not None:
         merged = torch.cat(windows).to(device)  # (S / m²,) window order
@@ -208,7 +217,7 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
         restore = torch.argsort(merged)
         position = position[order]
         window = Segments(window_sizes, device)
-    return VisionLayout(order, restore, Segments(frames, device), window, _rotary(position, vision))
+    return VisionLayout(order, restore, Segments(frames, device), window, _rotary(position, vision), taps)
 
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,26 +231,17 @@ def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torc
     return taps, weights
 
 
-def position_taps(grid_thw: torch.Tensor, vision: VisionArch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-VL's learned positions resampled to each image: ``[S, 4]`` rows of the
-    ``side x side`` table and their bilinear weights, per patch in the processor's
-    (merge-unit) order."""
-    side, m = math.isqrt(vision.num_position_embeddings), vision.spatial_merge_size
-    rows, cols, heights, widths = [], [], [], []
-    for t, h, w in grid_thw.tolist():
-        # Patches arrive merge-unit by merge-unit: (h / m, w / m, m, m) order, every frame alike.
-        r = torch.arange(h)[:, None].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
-        c = torch.arange(w)[None, :].expand(h, w).reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
-        rows.append(r.repeat(t))
-        cols.append(c.repeat(t))
-        heights.append(torch.full((t * h * w,), h))
-        widths.append(torch.full((t * h * w,), w))
-    device = grid_thw.device
-    row_taps, row_weights = _axis_taps(torch.cat(rows), torch.cat(heights), side)
-    col_taps, col_weights = _axis_taps(torch.cat(cols), torch.cat(widths), side)
+def _position_taps(
+    position: torch.Tensor, size: torch.Tensor, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps into a ``side x side`` table for patches at ``position`` ``[S, 2]`` (row,
+    column) of images of ``size`` ``[S, 2]`` (rows, columns): ``[S, 4]`` table rows and weights,
+    in transformers' order (row taps outer, column taps inner)."""
+    row_taps, row_weights = _axis_taps(position[:, 0], size[:, 0], side)
+    col_taps, col_weights = _axis_taps(position[:, 1], size[:, 1], side)
     index = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
     weight = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
-    return index.to(device), weight.to(device)
+    return index, weight
 
 
 # -- modules ------------------------------------------------------------------------------
@@ -444,7 +444,7 @@ class VisionTransformer(MegatronModule):
         layout = vision_layout(grid_thw, self.vision, pixel_values.device)
         hidden = self.patch_embed(pixel_values)  # (S, hidden)
         if self.pos_embed is not None:
-            index, weight = position_taps(grid_thw, self.vision)
+            index, weight = layout.taps
             hidden = hidden + (self.pos_embed[index] * weight[:, :, None]).sum(1).to(hidden.dtype)
         if layout.order is not None:
             hidden = hidden[layout.order]

@@ -162,11 +162,9 @@ def test_bad_qwen3_vl_configs_name_the_key(tiny, edit, match):
 def test_learned_position_taps_match_transformers():
     from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-    from rlhf_megatron.models.vision import position_taps
-
     arch = ModelArch.from_hf_config(_tiny_config("qwen3_vl"))
     grids = torch.tensor([[1, 6, 4], [2, 8, 12], [1, 2, 2]])
-    index, weight = position_taps(grids, arch.vision)
+    index, weight = vision_layout(grids, arch.vision).taps
     ref_index, ref_weight = get_vision_interpolation_indices_and_weights(
         grids, num_grid_per_side=4, mode="bilinear", align_corners=True, spatial_merge_size=2
     )
