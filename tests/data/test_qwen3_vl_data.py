@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
-from vl_helpers import PROCESSOR_MAX_PIXELS, PROCESSOR_MIN_PIXELS, png, write_clip, write_tiny_qwen3_vl_model
+from vl_helpers import PROCESSOR_MAX_PIXELS, PROCESSOR_MIN_PIXELS, png, write_clip, write_tiny_vl_model
 
 from rlhf_megatron.config.schema import DataConfig
 from rlhf_megatron.data.dataset import RLHFDataset, collate_fn
@@ -26,48 +26,16 @@ def processor():
 
 
 @pytest.fixture(scope="module")
-def hf_model(processor):
-    from transformers import Qwen3VLConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-    token = processor.tokenizer.convert_tokens_to_ids
-    config = Qwen3VLConfig(
-        text_config={
-            "hidden_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 32,
-            "intermediate_size": 64,
-            "vocab_size": 512,
-            "rope_parameters": {
-                "rope_type": "default",
-                "mrope_section": [4, 6, 6],
-                "mrope_interleaved": True,
-                "rope_theta": 10000.0,
-            },
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 32,
-            "num_heads": 1,
-            "intermediate_size": 32,
-            "out_hidden_size": 64,
-            "patch_size": 16,
-            "num_position_embeddings": 16,
-            "deepstack_visual_indexes": [0],
-        },
-        image_token_id=token("<|image_pad|>"),
-        video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"),
-        vision_end_token_id=token("<|vision_end|>"),
-    )
-    return Qwen3VLModel(config)
+def model_dir(tmp_path_factory):
+    return write_tiny_vl_model(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_qwen3_vl_model(tmp_path_factory.mktemp("tiny_qwen3_vl"))
+def hf_model(model_dir):
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    return Qwen3VLModel(Qwen3VLConfig.from_pretrained(model_dir))
 
 
 @pytest.fixture(scope="module")

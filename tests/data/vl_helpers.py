@@ -19,11 +19,16 @@ PROCESSOR_MIN_PIXELS = 28 * 28 * 4
 PROCESSOR_MAX_PIXELS = 28 * 28 * 64
 
 
-def write_tiny_vl_model(path: str | os.PathLike) -> str:
-    """Save the tiny VL processor and a matching tiny ``Qwen2_5_VLConfig`` config.json into ``path``."""
-    from transformers import Qwen2_5_VLConfig
+def write_tiny_vl_model(path: str | os.PathLike, family: str = "qwen2_5_vl") -> str:
+    """Save the tiny VL processor and a matching tiny config.json into ``path``; no weights.
 
-    processor = build_tiny_vl_processor(min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS)
+    ``qwen2_5_vl``: ``Qwen2_5_VLConfig`` with 14-pixel patches. ``qwen3_vl``: ``Qwen3VLConfig`` with
+    16-pixel patches, one vision block feeding DeepStack, interleaved M-RoPE."""
+    import transformers
+
+    processor = build_tiny_vl_processor(
+        min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS, family=family
+    )
     processor.save_pretrained(path)
     tok = processor.tokenizer
     token = tok.convert_tokens_to_ids
@@ -49,7 +54,13 @@ def write_tiny_vl_model(path: str | os.PathLike) -> str:
         "temporal_patch_size": 2,
         "spatial_merge_size": 2,
     }
-    Qwen2_5_VLConfig(
+    config_cls = transformers.Qwen2_5_VLConfig
+    if family == "qwen3_vl":
+        text.update(num_attention_heads=2, head_dim=32, vocab_size=512)
+        text["rope_parameters"].update(mrope_section=[4, 6, 6], mrope_interleaved=True)
+        vision.update(patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        config_cls = transformers.Qwen3VLConfig
+    config_cls(
         text_config=text,
         vision_config=vision,
         image_token_id=token("<|image_pad|>"),
@@ -88,56 +99,4 @@ def write_clip(
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return os.fspath(path)
-
-
-def write_tiny_qwen3_vl_model(path: str | os.PathLike) -> str:
-    """Save the tiny Qwen3-VL processor and a matching tiny ``Qwen3VLConfig`` config.json into ``path``
-    (16-pixel patches, one vision block feeding DeepStack, interleaved M-RoPE); no weights."""
-    from transformers import Qwen3VLConfig
-
-    processor = build_tiny_vl_processor(
-        min_pixels=PROCESSOR_MIN_PIXELS, max_pixels=PROCESSOR_MAX_PIXELS, family="qwen3_vl"
-    )
-    processor.save_pretrained(path)
-    tok = processor.tokenizer
-    token = tok.convert_tokens_to_ids
-    text = {
-        "hidden_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "intermediate_size": 64,
-        "vocab_size": 512,
-        "bos_token_id": None,
-        "eos_token_id": token("<|im_end|>"),
-        "pad_token_id": tok.pad_token_id,
-        "rope_parameters": {
-            "rope_type": "default",
-            "mrope_section": [4, 6, 6],
-            "mrope_interleaved": True,
-            "rope_theta": 10000.0,
-        },
-    }
-    vision = {
-        "depth": 1,
-        "hidden_size": 32,
-        "num_heads": 1,
-        "intermediate_size": 32,
-        "out_hidden_size": 64,
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "spatial_merge_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0],
-    }
-    Qwen3VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=token("<|image_pad|>"),
-        video_token_id=token("<|video_pad|>"),
-        vision_start_token_id=token("<|vision_start|>"),
-        vision_end_token_id=token("<|vision_end|>"),
-    ).save_pretrained(path)
     return os.fspath(path)

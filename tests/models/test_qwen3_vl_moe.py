@@ -16,9 +16,11 @@ the same logits from them.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from rlhf_megatron.models.spec import (
@@ -119,29 +121,15 @@ def test_parameter_count_is_the_checkpoints_and_the_released_models(tiny):
     assert count.vision == sum(t.numel() for n, t in state.items() if n.startswith("model.visual."))
     assert sum(count.experts) == sum(t.numel() for n, t in state.items() if ".experts." in n)
     assert count.total - count.active == 4 * (EXPERTS - 2) * 3 * HIDDEN * WIDTH  # 2 of 4 experts idle
-    # Qwen3-VL-30B-A3B and Qwen3-VL-235B-A22B as released (the hub lists 31.1B and 236B parameters).
-    text = dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        moe_intermediate_size=768,
-        num_experts=128,
-        num_experts_per_tok=8,
-        vocab_size=151936,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-        rope_parameters=dict(rope_theta=5e6, mrope_section=[24, 20, 20], mrope_interleaved=True),
-    )
-    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048)
-    released = dict(
-        architectures=["Qwen3VLMoeForConditionalGeneration"], text_config=text, vision_config=vision
-    )
+    # Qwen3-VL-30B-A3B as released (the preset's model_arch) and Qwen3-VL-235B-A22B, which differs in
+    # its sizes only (the hub lists 31.1B and 236B parameters).
+    preset = Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3_vl_30b_a3b.yaml"
+    released = yaml.safe_load(preset.read_text())["model_arch"]
     assert round(count_parameters(ModelArch.from_hf_config(released)).total / 1e9, 1) == 31.1
-    text.update(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, moe_intermediate_size=1536)
-    vision.update(out_hidden_size=4096)
+    released["text_config"].update(
+        hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, moe_intermediate_size=1536
+    )
+    released["vision_config"].update(out_hidden_size=4096)
     assert round(count_parameters(ModelArch.from_hf_config(released)).total / 1e9) == 236
 
 
