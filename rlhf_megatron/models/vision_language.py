@@ -118,21 +118,18 @@ class VisionLanguageModel(MegatronModule):
         """``[S, B, H]`` token embeddings with the images and videos written in, and the DeepStack
         features ``[levels, S, B, H]`` (None without DeepStack or visuals); split along S under SP."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # (S, B, H), full
-        deepstack = [torch.zeros_like(embeddings) for _ in range(self.deepstack_levels)]
-        embeddings, images = self._write_visuals(
+        deepstack: list[torch.Tensor] = []  # filled once a kind of visual has DeepStack features
+        embeddings = self._write_visuals(
             embeddings, deepstack, input_ids, pixel_values, image_grid_thw, "image"
         )
-        videos = False
         if self.video_token_id is not None:
-            embeddings, videos = self._write_visuals(
+            embeddings = self._write_visuals(
                 embeddings, deepstack, input_ids, pixel_values_videos, video_grid_thw, "video"
             )
         elif pixel_values_videos is not None:
             raise ValueError(
                 "pixel_values_videos were given but the model's config.json names no video_token_id"
             )
-        if not (images or videos):
-            deepstack = []
         if self.config.sequence_parallel:
             # The language model was built not to scatter its embeddings; the images had to go in first.
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
@@ -141,9 +138,9 @@ class VisionLanguageModel(MegatronModule):
 
     def _write_visuals(
         self, embeddings, deepstack: list[torch.Tensor], input_ids, pixels, grids, kind: str
-    ) -> tuple[torch.Tensor, bool]:
-        """``embeddings`` with the vision tower's output for ``pixels`` at the ``kind``'s token
-        (``deepstack`` levels likewise, in place of the list's items), and whether there was any."""
+    ) -> torch.Tensor:
+        """``embeddings`` with the vision tower's output for ``pixels`` at the ``kind``'s token; the
+        DeepStack features go into ``deepstack``'s levels likewise (zero tensors at first use)."""
         token = self.image_token_id if kind == "image" else self.video_token_id
         rows = images_per_row(input_ids, grids, token, self.spatial_merge_size, kind)
         present = bool(rows) and rows[-1][1] > 0
@@ -157,14 +154,16 @@ class VisionLanguageModel(MegatronModule):
                 else f"{names[0]} were given but no row has {kind} tokens (and {names[1]} is empty)"
             )
         if not present:
-            return embeddings, False
+            return embeddings
         check_pixel_values(pixels, grids, self.patch_dim, kind)
         frozen = not any(p.requires_grad for p in self.vision_model.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
             embeds, features = self.vision_model.forward_with_deepstack(pixels, grids)  # (tokens, H)
+        if features and not deepstack:
+            deepstack.extend(torch.zeros_like(embeddings) for _ in features)
         for level, feature in enumerate(features):
             deepstack[level] = scatter_image_embeddings(deepstack[level], input_ids, feature, token, kind)
-        return scatter_image_embeddings(embeddings, input_ids, embeds, token, kind), True
+        return scatter_image_embeddings(embeddings, input_ids, embeds, token, kind)
 
 
 def _hook_deepstack(language_model: GPTModel, levels: int) -> None:
