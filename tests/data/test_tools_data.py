@@ -1,5 +1,6 @@
 """tools/data scripts: each writes data (verl's or EasyR1's layout) that RLHFDataset loads and the scorers accept."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -205,3 +206,16 @@ def test_shapes_video_tool_writes_clips_whose_squares_appear_over_time(tmp_path,
 
     raw = pq.read_table(paths[0]).to_pylist()[0]["videos"][0]["bytes"]
     assert load_video({"bytes": raw}, fps=2.0).frames.shape[0] == 4
+
+    # verl's layout: the problem as a chat message, each video a dict of PNG frames and their fps.
+    verl = tool.main(
+        ["--output-dir", str(tmp_path / "verl"), "--train-size", "4", "--test-size", "1", "--layout", "verl"]
+    )
+    row = pq.read_table(verl[0]).to_pylist()[0]
+    assert row["prompt"] == [{"role": "user", "content": "<video>How many squares appear in the video?"}]
+    assert len(row["videos"][0]["video"]) == 4 and row["videos"][0]["fps"] == 2.0
+    assert row["data_source"] == "shapes_video" and 1 <= int(row["reward_model"]["ground_truth"]) <= 4
+    ds = RLHFDataset(
+        verl[0], vision.processor.tokenizer, dataclasses.replace(cfg, prompt_key="prompt"), vision
+    )
+    assert ds[0]["multi_modal_inputs"]["video_grid_thw"].tolist() == [[2, 4, 4]]
