@@ -25,7 +25,7 @@ case "$CONFIG" in
   *_vl_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl ;;
   *_video_*) $PY tools/make_tiny_vl_model.py --out outputs/tiny_vl_model --data-dir outputs/data/shapes_vl
     # The image policy counts squares in stills; the clips show them appearing one by one.
-    $PY tools/data/shapes_video.py --output-dir outputs/data/shapes_video --train-size 1024 --test-size 100 >/dev/null ;;
+    $PY tools/data/shapes_video.py --output-dir outputs/data/shapes_video --train-size 1024 --test-size 200 >/dev/null ;;
   *_moe_*) $PY tools/make_tiny_model.py --arch qwen3_moe --out outputs/tiny_moe_model --data-dir outputs/data/arith ;;
   *_mla_*) $PY tools/make_tiny_model.py --arch deepseek_v3 --out outputs/tiny_mla_model --data-dir outputs/data/arith ;;
   *_tool_*) $PY tools/make_tiny_tool_model.py --out outputs/tiny_tool_model --data-dir outputs/data/tool_mult ;;
