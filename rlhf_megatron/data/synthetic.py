@@ -225,6 +225,26 @@ def square_boxes(rng: random.Random, size: int, count: int) -> list[tuple[list[i
     return out
 
 
+def squares_image(size: int, boxes: list[tuple[list[int], tuple[int, int, int]]]):
+    """A white ``size x size`` PIL image with ``boxes`` (``square_boxes``' entries) drawn on it."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for box, colour in boxes:
+        draw.rectangle(box, fill=colour)
+    return image
+
+
+def png_bytes(image) -> bytes:
+    """A PIL image as PNG bytes (what HF datasets' Image feature stores)."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def shapes_split_parser(description: str, what: str, size: int, max_count: int) -> argparse.ArgumentParser:
     """The options every squares tool takes: where, how many, seed, ``what``'s side, most squares."""
     parser = argparse.ArgumentParser(description=description)

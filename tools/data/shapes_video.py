@@ -23,12 +23,14 @@ import random
 
 import av
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from rlhf_megatron.data.synthetic import (
     check_max_count,
+    png_bytes,
     shapes_split_parser,
     square_boxes,
+    squares_image,
     write_repository_splits,
 )
 
@@ -40,15 +42,10 @@ def frames(rng: random.Random, size: int, frame_count: int, count: int) -> list[
     (drawn as ``shapes_vl.py`` draws them, on a 4 x 4 grid so none overlap)."""
     shapes = square_boxes(rng, size, count)
     starts = [0] + sorted(rng.randrange(frame_count) for _ in range(count - 1))
-    out = []
-    for f in range(frame_count):
-        image = Image.new("RGB", (size, size), (255, 255, 255))
-        draw = ImageDraw.Draw(image)
-        for (box, colour), start in zip(shapes, starts):
-            if f >= start:
-                draw.rectangle(box, fill=colour)
-        out.append(image)
-    return out
+    return [
+        squares_image(size, [shape for shape, start in zip(shapes, starts) if f >= start])
+        for f in range(frame_count)
+    ]
 
 
 def mp4(images: list[Image.Image], fps: int) -> bytes:
@@ -64,12 +61,6 @@ def mp4(images: list[Image.Image], fps: int) -> bytes:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return buffer.getvalue()
-
-
-def png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 
@@ -96,7 +87,7 @@ def make_rows(
                 {
                     "data_source": "shapes_video",
                     "prompt": [{"role": "user", "content": PROBLEM}],
-                    "videos": [{"video": [png(image) for image in images], "fps": float(fps)}],
+                    "videos": [{"video": [png_bytes(image) for image in images], "fps": float(fps)}],
                     "reward_model": {"style": "rule", "ground_truth": str(count)},
                     "extra_info": {"index": i},
                 }

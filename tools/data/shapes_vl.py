@@ -18,15 +18,14 @@ where the image goes) and the answer as the assistant's reply, ``"There are 3 sq
 
 from __future__ import annotations
 
-import io
 import random
-
-from PIL import Image, ImageDraw
 
 from rlhf_megatron.data.synthetic import (
     check_max_count,
+    png_bytes,
     shapes_split_parser,
     square_boxes,
+    squares_image,
     write_repository_splits,
 )
 
@@ -35,13 +34,7 @@ PROBLEM = "<image>How many squares are in the image?"
 
 def draw_squares(rng: random.Random, size: int, count: int) -> bytes:
     """PNG bytes: ``count`` squares on a white ``size x size`` canvas, on a grid so none overlap."""
-    image = Image.new("RGB", (size, size), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    for box, colour in square_boxes(rng, size, count):
-        draw.rectangle(box, fill=colour)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
+    return png_bytes(squares_image(size, square_boxes(rng, size, count)))
 
 
 def make_rows(n: int, rng: random.Random, size: int, max_count: int, sft: bool = False) -> list[dict]:
