@@ -190,25 +190,25 @@ def vision_layout(grid_thw: torch.Tensor, vision: VisionArch, device=None) -> Vi
     """The ``VisionLayout`` of images with grids ``[num_images, 3]`` (as transformers computes it)."""
     m = vision.spatial_merge_size
     unit, win = m * m, vision.window_tokens
-    positions, sizes, frames, windows, window_sizes, offset = [], [], [], [], [], 0
+    positions, extents, frames, windows, window_sizes, offset = [], [], [], [], [], 0
     for t, h, w in grid_thw.tolist():
         gh, gw = h // m, w // m
         # Patches arrive merge-unit by merge-unit: (gh, gw, m, m) order.
         rows = torch.arange(h)[:, None].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
         cols = torch.arange(w)[None, :].expand(h, w).reshape(gh, m, gw, m).transpose(1, 2).flatten()
         positions.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
-        sizes.append(torch.tensor([h, w]).expand(t * h * w, 2))
+        extents.append(torch.tensor([h, w]).expand(t * h * w, 2))  # each patch's image rows, columns
         frames += [h * w] * t
         if win is not None:
-            blocks, sizes = _windows(t, gh, gw, win, offset)
+            blocks, block_sizes = _windows(t, gh, gw, win, offset)
             windows += blocks
-            window_sizes += [s * unit for s in sizes]
+            window_sizes += [s * unit for s in block_sizes]
         offset += t * gh * gw
     position = torch.cat(positions).to(device)
     taps = None
     if vision.num_position_embeddings is not None:
         taps = _position_taps(
-            position, torch.cat(sizes).to(device), math.isqrt(vision.num_position_embeddings)
+            position, torch.cat(extents).to(device), math.isqrt(vision.num_position_embeddings)
         )
     order = restore = window = None
     if win is not None:
