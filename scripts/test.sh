@@ -13,7 +13,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} T
 .venv/bin/ruff format --check rlhf_megatron tests tools launchers scripts
 set +e
 WORKERS=${RLHF_TEST_WORKERS:-2}
-if [ "$WORKERS" -gt 0 ]; then PARALLEL=(-n "$WORKERS" --dist worksteal); else PARALLEL=(-p no:xdist); fi
+# Whole files to whichever worker is free, longest first (tests/durations.json; tests/conftest.py).
+if [ "$WORKERS" -gt 0 ]; then PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); else PARALLEL=(-p no:xdist); fi
 .venv/bin/python -m pytest "${PARALLEL[@]}" --durations=25 "$@"
 rc=$?
 set -e

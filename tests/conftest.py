@@ -26,7 +26,9 @@ first use) instead of starting their own, as a launcher's driver joins a cluster
 
 Parallel workers
 ----------------
-``scripts/test.sh`` runs the suite on pytest-xdist workers. Each worker gets its own Ray temp
+``scripts/test.sh`` runs the suite on pytest-xdist workers, a whole file at a time, the longest
+files first by ``tests/durations.json`` (a new test counts as 60, 20 or 0.05 s by kind until that
+file is written again with ``RLHF_STORE_DURATIONS=1``). Each worker gets its own Ray temp
 directory (``RAY_TMPDIR``), and tests that start process groups pick free ports. A test that
 measures time, memory or machine-wide state (``/dev/shm``) while other tests would disturb it
 carries ``@pytest.mark.exclusive``: it waits for the tests running on other workers to finish
@@ -36,7 +38,9 @@ and none start beside it (a shared/exclusive file lock; no effect without xdist)
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+from pathlib import Path
 
 import pytest
 from shared_artifacts import WORKER, session_dir
@@ -53,16 +57,27 @@ if WORKER:
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Each test's seconds (setup + call + teardown) in a whole-suite run: the order under xdist.
+``RLHF_STORE_DURATIONS=1 bash scripts/test.sh`` writes it again from that run."""
+GUESS_S = {"e2e": 60.0, "integration": 20.0, "unit": 0.05}
+"""The seconds assumed for a test the durations file does not know yet, by kind."""
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
     if WORKER:
-        # Under xdist the longest tests go first: each worker starts with a contiguous share of
-        # the list and the idle one steals from the end of the other's, so the long end-to-end
-        # runs start early and the short tests fill in beside them instead of trailing behind.
-        # (A stable sort: within a kind the order stays the files' own.)
-        rank = {"e2e": 0, "integration": 1, "unit": 2}
-        items.sort(key=lambda item: rank[_kind(item.keywords)])
+        # Under xdist (`scripts/test.sh`: --dist loadfile, in this order) a worker that runs out of
+        # work takes the next file, whole: the longest files go first and the short ones fill in
+        # at the end, so neither worker waits long for the other's last run, and a module-scoped
+        # fixture is built on one worker, not on both. Within a file the tests keep their order.
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        seconds: dict[Path, float] = {}
+        for item in items:
+            guess = GUESS_S[_kind(item.keywords)]
+            seconds[item.path] = seconds.get(item.path, 0.0) + known.get(item.nodeid, guess)
+        items.sort(key=lambda item: -seconds[item.path])  # stable: a file's own order within it
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (marked gpu); this machine has none")
@@ -97,6 +112,7 @@ def _machine_share(request, tmp_path_factory):
 
 _KIND_SECONDS: dict[str, list[float]] = {}
 _SEEN: dict[str, str] = {}
+_DURATIONS: dict[str, float] = {}
 
 
 def _kind(keywords) -> str:
@@ -107,6 +123,7 @@ def _kind(keywords) -> str:
 
 def pytest_runtest_logreport(report):
     """Sum each test's setup + call + teardown time by kind (reports of every xdist worker)."""
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
     kind = _SEEN.setdefault(report.nodeid, _kind(report.keywords))
     totals = _KIND_SECONDS.setdefault(kind, [0.0, 0])
     totals[0] += report.duration
@@ -122,3 +139,15 @@ def pytest_terminal_summary(terminalreporter):
         return
     parts = [f"{kind} {sec:.0f} s ({n} tests)" for kind, (sec, n) in sorted(_KIND_SECONDS.items())]
     terminalreporter.write_sep("-", "time by kind (summed over workers): " + ", ".join(parts))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With ``RLHF_STORE_DURATIONS=1``, this run's durations replace those of the tests it ran in
+    ``tests/durations.json`` (by the process that saw every worker's reports; written whole)."""
+    if WORKER or not os.environ.get("RLHF_STORE_DURATIONS") or not _DURATIONS:
+        return
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    known.update({nodeid: round(seconds, 1) for nodeid, seconds in _DURATIONS.items()})
+    tmp = DURATIONS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+    tmp.replace(DURATIONS)
