@@ -436,6 +436,22 @@ def _what_fits(
     return " or ".join(options) or "no layout of this model and batch up to 64x the GPUs or 128x the memory"
 
 
+def _nothing_divides(cfg: DictConfig, keys: list[str], world: int) -> str:
+    """Why no layout was tried: the sizes set in the config (not searched) divide no world."""
+    pinned = [
+        f"{prefix}{k}={value}"
+        for prefix in (f"{ROLE_SECTIONS[role]}.megatron." for role in ("actor", "ref", "critic"))
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        if prefix + k not in keys and (value := OmegaConf.select(cfg, prefix + k) or 1) > 1
+    ]
+    sizes = ", ".join(pinned) if pinned else "no parallel size"
+    return (
+        f"parallelism auto: no layout to search: the sizes set in the config ({sizes}) do not divide "
+        f"the {world} GPUs (trainer.nnodes x trainer.n_gpus_per_node); leave them out of the config "
+        "(auto searches them) or use a GPU count they divide"
+    )
+
+
 def resolve_auto(
     cfg: DictConfig,
     keys: list[str],
@@ -454,6 +470,8 @@ def resolve_auto(
             # Nothing valid in any layout: validation's own messages say what to change (with the
             # first layout tried written in), as they would without auto.
             raise search.first_error
+        if not search.too_big:
+            raise ConfigError([_nothing_divides(cfg, keys, world)])
         closest = min(search.too_big, key=lambda c: c.plan.peak.total)
         raise ConfigError(
             [

@@ -147,6 +147,22 @@ BIG = [
 ]
 
 
+def test_explicit_sizes_that_divide_no_layout_are_named_not_a_crash():
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            "quickstart_cpu",
+            [
+                "parallelism=auto",
+                "trainer.n_gpus_per_node=1",
+                A + "actor.megatron.tensor_model_parallel_size=2",
+            ],
+            validate=False,
+        )
+    text = str(err.value)
+    assert "no layout to search" in text and "do not divide the 1 GPUs" in text, text
+    assert A + "actor.megatron.tensor_model_parallel_size=2" in text, text
+
+
 def test_an_explicit_micro_batch_too_big_gets_the_largest_that_fits():
     with pytest.raises(ConfigError) as err:
         load_config("quickstart_cpu", BIG, validate=False)
