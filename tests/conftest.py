@@ -37,13 +37,12 @@ and none start beside it (a shared/exclusive file lock; no effect without xdist)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
 
 import pytest
-from shared_artifacts import WORKER, session_dir
+from shared_artifacts import WORKER, machine_share
 from trainer_helpers import reference_run, tiny_run_inputs, tool_run_inputs  # noqa: F401  (session fixtures)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -88,26 +87,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _machine_share(request, tmp_path_factory):
-    """Shared lock for every test, exclusive for tests marked ``exclusive`` (xdist only).
-
-    A turnstile in front keeps an exclusive test from waiting forever behind a stream of shared
-    ones: whoever holds the turnstile is next, and an exclusive test holds it until the tests
-    running beside it have finished."""
-    if not WORKER:
+    """Shared for every test, exclusive for tests marked ``exclusive`` (``machine_share``). A
+    module-scoped fixture that must run alone takes ``machine_share`` itself: it is set up before
+    this fixture takes the machine for the module's first test, and gives it back before."""
+    with machine_share(tmp_path_factory, request.node.get_closest_marker("exclusive") is not None):
         yield
-        return
-    root = session_dir(tmp_path_factory)
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(root / "machine.lock", "a") as machine, open(root / "turnstile.lock", "a") as turnstile:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 _KIND_SECONDS: dict[str, list[float]] = {}

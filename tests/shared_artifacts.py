@@ -5,6 +5,8 @@ A uniquely named module (not conftest) so that test helpers in any directory can
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -48,3 +50,26 @@ def shared_artifact(tmp_path_factory, name: str, build: Callable[[Path], object]
         tmp.write_text(json.dumps({"result": result}))
         os.replace(tmp, done)
         return path, result
+
+
+@contextlib.contextmanager
+def machine_share(tmp_path_factory, exclusive: bool):
+    """Hold the machine shared with the other xdist workers' tests, or ``exclusive``: alone.
+
+    A turnstile in front keeps an exclusive holder from waiting forever behind a stream of shared
+    ones: whoever holds the turnstile is next, and an exclusive holder keeps it until the tests
+    running beside it have finished. No effect without xdist."""
+    if not WORKER:
+        yield
+        return
+    root = session_dir(tmp_path_factory)
+    with open(root / "machine.lock", "a") as machine, open(root / "turnstile.lock", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)

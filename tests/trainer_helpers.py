@@ -198,6 +198,16 @@ TP2_LAYOUT = [
 quickstart's before ``parallelism: auto``, which picks TP=1 x DP=2 for it now."""
 
 
+ONE_PROCESS = {
+    "trainer.n_gpus_per_node": 1,
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+}
+"""One trainer process (and one critic's): for a run whose checks do not depend on the ranks (the
+driver's reward handling, a NaN policy, validation only). A process costs ~15-20 s of CPU to start
+(Ray's worker, torch, megatron-core, vLLM), a 2-step run's whole training ~2 s."""
+
+
 def pinned_layout(config) -> list[str]:
     """``TP2_LAYOUT`` for a preset that leaves its layout to ``parallelism: auto`` (the test's own
     overrides come after it and win), else nothing."""

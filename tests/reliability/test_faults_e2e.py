@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, REFERENCE_STEPS, run_train, train_overrides
 
 from rlhf_megatron.platform.shm import left_behind, shm_names
 from rlhf_megatron.trainer.checkpoint import CheckpointError, CheckpointManager
@@ -198,7 +198,9 @@ def test_disk_full_during_save_fails_loudly_and_keeps_previous_checkpoint(
 
 def test_nan_loss_stops_the_run_naming_role_rank_and_step(tiny_run_inputs, tmp_path):
     proc, records = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run"), env={"RLHF_FAULT": "nan:1"}
+        "quickstart_cpu",
+        train_overrides(tiny_run_inputs, tmp_path / "run", **ONE_PROCESS),
+        env={"RLHF_FAULT": "nan:1"},
     )
     assert proc.returncode != 0 and records == []
     assert "NonFiniteGradientError" in proc.stderr and "step 1: gradients hold NaN/inf" in proc.stderr
@@ -211,6 +213,7 @@ PPO = {
     "actor_rollout_ref.rollout.n": 1,
     "trainer.save_freq": 1,
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+    **ONE_PROCESS,  # an actor and a critic process: what a NaN does to a role is not about ranks
 }
 
 
@@ -289,6 +292,7 @@ def test_reward_function_that_raises_stops_the_run_naming_function_and_row(tiny_
             **{
                 "custom_reward_function.path": tmp_path / "rewards.py",
                 "custom_reward_function.name": "always_raises",
+                **ONE_PROCESS,  # the driver scores: one trainer process is enough
             },
         ),
     )
@@ -313,6 +317,7 @@ def test_reward_hang_nan_and_error_are_zeroed_counted_and_bounded(tiny_run_input
                 "reward.num_workers": 1,
                 "reward.timeout_s": 3,
                 "trainer.total_training_steps": 1,
+                **ONE_PROCESS,
             },
         ),
     )

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from shared_artifacts import machine_share
 from trainer_helpers import ROOT, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -40,23 +41,32 @@ def _soak(inputs, run_dir, env=None):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.exclusive  # it bounds RSS and sync-time slopes: nothing else may run beside it
-def test_soak_of_a_healthy_run_is_flat_and_passes(tiny_run_inputs, tmp_path):
-    proc, report = _soak(tiny_run_inputs, tmp_path / "run")
+@pytest.fixture(scope="module")
+def soaks(tiny_run_inputs, tmp_path_factory):
+    """Both soaks, one after the other, with the machine to themselves: they bound RSS and
+    sync-time slopes, so nothing else may run beside them. Held once for the two, the other
+    worker's running test is waited for once and nothing starts between them."""
+    root = tmp_path_factory.mktemp("soaks")
+    leaking = {**os.environ, "RLHF_FAULT": "leak:32,sync_drift:20"}
+    with machine_share(tmp_path_factory, exclusive=True):
+        return {
+            "healthy": (root / "healthy", *_soak(tiny_run_inputs, root / "healthy")),
+            "leaking": (root / "leaking", *_soak(tiny_run_inputs, root / "leaking", leaking)),
+        }
+
+
+def test_soak_of_a_healthy_run_is_flat_and_passes(soaks):
+    run_dir, proc, report = soaks["healthy"]
     assert proc.returncode == 0 and report["ok"] is True, report
     assert report["rss_mb_per_step"] <= report["bounds"]["rss_mb_per_step"] == 24.0
     assert report["sync_s_per_step"] <= report["bounds"]["sync_s_per_step"] == 0.01
     assert report["total_rss_mb"][0] > 500, "the workers' memory (models, vLLM) is in the sample"
-    steps = [
-        json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 31)), "30 steps over 8-batch epochs: total_training_steps wins"
 
 
-@pytest.mark.exclusive
-def test_soak_catches_a_memory_leak_and_a_slowing_weight_sync(tiny_run_inputs, tmp_path):
-    env = {**os.environ, "RLHF_FAULT": "leak:32,sync_drift:20"}
-    proc, report = _soak(tiny_run_inputs, tmp_path / "run", env)
+def test_soak_catches_a_memory_leak_and_a_slowing_weight_sync(soaks):
+    _, proc, report = soaks["leaking"]
     assert proc.returncode == 1 and report["ok"] is False, report
     assert 56 <= report["rss_mb_per_step"] <= 80, report  # 2 workers x 32 MiB = 64 MiB per step
     assert all(h >= 40 for h in report["rss_mb_per_step_by_half"]), report  # sustained, not a step

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -86,9 +86,10 @@ def test_ppo_and_bypass_grpo_train_two_steps(tiny_run_inputs, tmp_path, config, 
 
 
 def test_val_only_validates_and_does_not_train(tiny_run_inputs, tmp_path):
-    proc, records = run_train(
-        "quickstart_cpu", train_overrides(tiny_run_inputs, tmp_path / "run", **{"trainer.val_only": True})
+    overrides = train_overrides(
+        tiny_run_inputs, tmp_path / "run", **{"trainer.val_only": True, **ONE_PROCESS}
     )
+    proc, records = run_train("quickstart_cpu", overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(records) == 1 and records[0]["step"] == 0
     assert "val/reward_mean" in records[0] and "val/test_score/arith" in records[0]
