@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -176,14 +177,30 @@ def test_what_the_code_needs_stays_readable(host):
 
 @needs_landlock
 def test_site_packages_not_named_are_unreadable(host):
-    """The base interpreter's site-packages (this machine's global packages) is not named: it
-    reads as empty (covered by an empty tmpfs) or not at all (no mount namespace)."""
-    base = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"])
-    if not base.is_dir() or not any(base.iterdir()) or str(base) in sys.path:
-        pytest.skip(f"{base} is empty or is this environment's own site-packages")
-    code = f"import os\ntry:\n    print(os.listdir({str(base)!r}))\nexcept PermissionError:\n    print('refused')"
-    result = run_python(code)
-    assert result.status == "ok" and result.stdout in ("[]\n", "refused\n"), result
+    """The base interpreter's site-packages (this machine's global packages: pyenv's
+    ``lib/python3.X/site-packages``, Debian's ``/usr/lib/python3/dist-packages``) is not named: it
+    reads as empty (covered by an empty tmpfs), not at all (no mount namespace) or as absent (a
+    directory under ``/usr/local/lib`` the sandbox's view leaves out)."""
+    listed = subprocess.run(
+        [sys._base_executable, "-c", "import site, sysconfig; print(*site.getsitepackages(), sep='\\n')"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    purelib = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"]
+    found = [Path(d) for d in [purelib, *listed] if Path(d).is_dir() and any(Path(d).iterdir())]
+    found = [d for d in found if str(d) not in sys.path]
+    if not found:
+        pytest.skip(
+            f"the base interpreter's site-packages ({[purelib, *listed]}) are empty or this environment's"
+        )
+    for base in found:
+        code = (
+            f"import os\ntry:\n    print(os.listdir({str(base)!r}))\n"
+            "except PermissionError:\n    print('refused')\nexcept FileNotFoundError:\n    print('absent')"
+        )
+        result = run_python(code)
+        assert result.status == "ok" and result.stdout in ("[]\n", "refused\n", "absent\n"), (base, result)
 
 
 def test_site_packages_can_be_withheld(host):
