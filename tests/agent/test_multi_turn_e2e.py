@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -148,6 +148,7 @@ def test_ppo_with_a_critic_one_step_off_on_a_rollout_pool(tool_run_inputs, tmp_p
             **{
                 "algorithm.adv_estimator": "gae",
                 "critic.ppo_micro_batch_size_per_gpu": 8,
+                **ONE_PROCESS,  # an actor and a critic process; the GRPO run above keeps TP=2
                 "actor_rollout_ref.hybrid_engine": False,
                 "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
                 "trainer.rollout_mode": "one_step_off",

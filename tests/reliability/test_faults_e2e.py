@@ -11,7 +11,7 @@ That equality is also the determinism check: the killed run's step 1 is a fresh 
 same records as the reference's) and the restart's steps 2-3 come from a checkpoint, so a run that
 differed from the same seed's other run, or from its own resumed self, fails here. A graceful
 pre-emption (``RLHF_STOP_AFTER_STEP``) then resume is tested beside the runs it interrupts
-(one-step-off, LoRA, the SFT stage); the resume path after it is the one these restarts take.
+(one-step-off, the SFT stage); the resume path after it is the one these restarts take.
 """
 
 import json
@@ -184,7 +184,10 @@ def test_disk_full_during_save_fails_loudly_and_keeps_previous_checkpoint(
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
         run = mnt / "run"
-        proc, records = run_train("quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA))
+        # One process: its checkpoint holds the same tensors as the reference's two (sized above).
+        proc, records = run_train(
+            "quickstart_cpu", train_overrides(tiny_run_inputs, run, **EXTRA, **ONE_PROCESS)
+        )
         assert proc.returncode != 0
         assert "No space left on device" in proc.stderr and str(run / ".global_step_2.tmp") in proc.stderr, (
             proc.stderr[-3000:]

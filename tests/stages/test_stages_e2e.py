@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from shared_artifacts import shared_artifact
-from trainer_helpers import ROOT, run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, ROOT, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -172,6 +172,8 @@ def test_reward_model_then_rl_from_both_checkpoints(sft_run, tiny_run_inputs, st
             "algorithm.adv_estimator": "gae",
             "critic.model.path": str(rm_hf),
             "critic.ppo_micro_batch_size_per_gpu": 8,
+            **ONE_PROCESS,  # one process per role (actor, critic, reward model): what is checked is
+            # which checkpoints they start from
         },
     )
     proc, rl = run_train("pipeline_cpu/ppo", overrides)

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from trainer_helpers import REFERENCE_STEPS, run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, REFERENCE_STEPS, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 VOLATILE = ("timing_s/", "perf/", "sync/", "balance/", "timeline/", "async/queued_batches")
@@ -139,8 +139,9 @@ def test_async_keeps_every_sample_within_max_staleness_and_corrects_off_policy(t
 def test_rollout_worker_killed_mid_generation_is_reported_or_restarted_alone(tiny_run_inputs, tmp_path):
     """Without restarts the death ends the run, named. With ``trainer.max_restarts`` only the rollout
     pool is built again: it gets the actor's newest weights and runs the lost generation again (same
-    prompts and seed), and the trainer's workers, and every step, carry on."""
-    one_step_off = {"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3}
+    prompts and seed), and the trainer's workers, and every step, carry on. (The trainer is one
+    process here: what is restarted is the rollout's.)"""
+    one_step_off = {"trainer.rollout_mode": "one_step_off", "trainer.total_training_steps": 3, **ONE_PROCESS}
     proc, records = _run(
         tiny_run_inputs, tmp_path / "run", env={"RLHF_FAULT": "rollout_gen:2"}, **one_step_off
     )

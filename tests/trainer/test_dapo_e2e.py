@@ -12,7 +12,7 @@ is counted: the judge ran in the training loop, on every generated response."""
 import math
 
 import pytest
-from trainer_helpers import run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -56,6 +56,7 @@ def test_dynamic_sampling_fills_each_step_with_groups_that_differ(tiny_run_input
             "data.gen_batch_size": 4,  # rounds of 4 prompts x n=4 for a step of 8 prompts
             "custom_reward_function.path": tmp_path / "rewards.py",
             "custom_reward_function.name": "even_answers_score_alike",
+            **ONE_PROCESS,  # dynamic sampling is the driver's: one trainer process
             **LAYOUTS[layout],
             **judge,
         },

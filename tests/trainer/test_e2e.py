@@ -72,7 +72,8 @@ BYPASS_REINFORCE = {  # verl's bypass_pg_token_icepop with a rejection option on
     ],
 )
 def test_ppo_and_bypass_grpo_train_two_steps(tiny_run_inputs, tmp_path, config, use_critic, bypass):
-    extra = {"algorithm.rollout_correction.bypass_mode": True} if bypass else {}
+    # The bypass runs are one process: their checks are the loss's; the PPO run keeps TP=2.
+    extra = {"algorithm.rollout_correction.bypass_mode": True, **ONE_PROCESS} if bypass else {}
     if bypass == "reinforce":
         extra.update(BYPASS_REINFORCE)
     proc, records = run_train(config, train_overrides(tiny_run_inputs, tmp_path / "run", **extra))

