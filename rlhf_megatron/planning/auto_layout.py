@@ -152,15 +152,21 @@ def _layout_values(cfg: DictConfig, key: str, world: int) -> list[int]:
     return _divisors(world)
 
 
-def _divides_world(cfg: DictConfig, layout: dict[str, int], world: int) -> bool:
-    """Each role's TP x PP x CP (searched or as configured) divides the trainer's world."""
-    for role in ("actor", "ref", "critic"):
-        prefix = f"{ROLE_SECTIONS[role]}.megatron."
-        sizes = [
-            layout.get(prefix + k, OmegaConf.select(cfg, prefix + k) or 1)
+def _model_parallel_keys() -> list[list[str]]:
+    """Each trainer role's TP, PP and CP keys, whose product must divide the trainer's world."""
+    return [
+        [
+            f"{ROLE_SECTIONS[role]}.megatron.{k}"
             for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
         ]
-        if world % math.prod(sizes):
+        for role in ("actor", "ref", "critic")
+    ]
+
+
+def _divides_world(cfg: DictConfig, layout: dict[str, int], world: int) -> bool:
+    """Each role's TP x PP x CP (searched or as configured) divides the trainer's world."""
+    for keys in _model_parallel_keys():
+        if world % math.prod(layout.get(k, OmegaConf.select(cfg, k) or 1) for k in keys):
             return False
     return True
 
@@ -439,10 +445,10 @@ def _what_fits(
 def _nothing_divides(cfg: DictConfig, keys: list[str], world: int) -> str:
     """Why no layout was tried: the sizes set in the config (not searched) divide no world."""
     pinned = [
-        f"{prefix}{k}={value}"
-        for prefix in (f"{ROLE_SECTIONS[role]}.megatron." for role in ("actor", "ref", "critic"))
-        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
-        if prefix + k not in keys and (value := OmegaConf.select(cfg, prefix + k) or 1) > 1
+        f"{k}={value}"
+        for role_keys in _model_parallel_keys()
+        for k in role_keys
+        if k not in keys and (value := OmegaConf.select(cfg, k) or 1) > 1
     ]
     sizes = ", ".join(pinned) if pinned else "no parallel size"
     return (
