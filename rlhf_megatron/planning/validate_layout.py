@@ -179,6 +179,15 @@ def check_rollout_tp(ctx: ValidationContext) -> list[str]:
                 f"{key}={tp} does not divide the rollout pool's {pool} processes ({ROLLOUT}.nnodes x "
                 f"{ROLLOUT}.n_gpus_per_node); each group of {tp} processes is one vLLM engine"
             )
+        distillation = ctx.run.distillation
+        teachers = distillation.teachers() if distillation.enabled else {}
+        if teachers and not distillation.pooled() and ctx.world % tp:
+            where = distillation.teacher_key(next(iter(teachers)))
+            out.append(
+                f"{key}={tp} does not divide the trainer's {ctx.world} processes, where the teachers run "
+                f"at the rollout's TP ({where}.enable_resource_pool=false); choose a divisor of "
+                f"{ctx.world}, or give the teachers a pool of their own"
+            )
     arch, source = ctx.archs["actor"]
     if arch is not None:
         heads, groups = arch.num_attention_heads, arch.num_kv_heads

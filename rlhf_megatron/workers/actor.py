@@ -73,7 +73,11 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         rollout = section.rollout
         # vLLM's TP groups are consecutive ranks; the transformers engine is one process each.
         self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
-        if world_size % self.rollout_tp:
+        # Engines in these processes: the colocated rollout's, or the teachers' that share its TP.
+        # A rollout on its own pool gets full tensors, whatever the trainer's process count.
+        distillation = context.distillation
+        hosts_engines = section.hybrid_engine or (distillation.enabled and not distillation.pooled())
+        if hosts_engines and world_size % self.rollout_tp:
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.rollout_tp} does not divide "
                 f"the actor's {world_size} processes"

@@ -1,7 +1,7 @@
 """The agent quickstart's config through the real CLI: an agent program written only against the
 ``openai`` SDK, in a file outside the project, named by ``agent_cls``, trains the tool quickstart's
 policy with GRPO (actor and vLLM at TP=2, two gloo processes under Ray; or one-step-off, the
-endpoint in a rollout pool's process generating the next batch while the actor trains). Every call
+endpoint in a rollout pool's process generating the next batch while a one-process actor trains). Every call
 goes through the endpoint over the policy and is recorded token for token, so the actor's log-probs
 over the merged samples match vLLM's as in the tool loop; an agent that raises on some rows is
 counted and the run goes on. The rows name the endpoint (verl's ``agent_name: openai_proxy``).
@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from trainer_helpers import ROOT, run_train, train_overrides
+from trainer_helpers import ONE_PROCESS, ROOT, run_train, train_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -29,10 +29,11 @@ class FlakyAgent(CalculatorAgent):
 
 MODES = {
     "colocated": {},
-    # The endpoint in a rollout pool's own process, generating the next batch while the actor trains.
+    # The endpoint in a rollout pool's own process, generating the next batch while the actor (one
+    # process: the endpoint at TP=2 is the colocated run's) trains.
     "one_step_off": {
+        **ONE_PROCESS,
         "actor_rollout_ref.hybrid_engine": False,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
         "trainer.rollout_mode": "one_step_off",
     },
 }

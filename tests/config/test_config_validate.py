@@ -832,6 +832,18 @@ def test_rollout_tp_is_checked_against_the_rollout_pool_when_disaggregated():
     assert _errors(*wide, *pool) == []
     assert roles.rollout_world_size(make_cfg(*wide, *pool)) == 4
     assert roles.rollout_world_size(make_cfg(*wide)) == roles.world_size(make_cfg(*wide)) == 2
+    # Teachers in the trainer's processes run at the rollout's TP, so it must divide the trainer too.
+    teachers = ("distillation.enabled=true", "distillation.teacher_model.model_path=/t")
+    assert [e for e in _errors(*wide, *pool, *teachers) if "tensor_model_parallel_size" in e] == [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=4 does not divide the trainer's 2 processes, "
+        "where the teachers run at the rollout's TP (distillation.teacher_model.enable_resource_pool=false); "
+        "choose a divisor of 2, or give the teachers a pool of their own"
+    ]
+    pooled = (
+        f"distillation.teacher_model.{k}"
+        for k in ("enable_resource_pool=true", "n_gpus_per_node=4", "nnodes=1")
+    )
+    assert _errors(*wide, *pool, *teachers, *pooled) == []
 
 
 def test_disaggregated_rollout_pool_needs_gpus_per_node():

