@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["SDPAttention"]
+__all__ = ["LatentSDPAttention", "SDPAttention"]
 
 
 class SDPAttention(DotProductAttention):
@@ -92,6 +92,19 @@ class LatentDotProductAttention(DotProductAttention):
     the scores use the query/key width through the given scale, and only the output's width
     (heads x ``v_channels``) differs from ``kv_channels x heads``.
     """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+
+class LatentSDPAttention(SDPAttention):
+    """``SDPAttention`` for multi-latent attention (``megatron.attention_backend=sdpa``): queries and
+    keys of ``k_channels`` per head, values of ``v_channels``, MLA's own softmax scale (as
+    ``LatentDotProductAttention``). ``F.scaled_dot_product_attention`` takes a value width apart
+    from the query/key width, so only the output's width changes; the scores never exist whole,
+    where the local module keeps ``[b * heads, s, s]`` of them for backward."""
 
     def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -33,10 +33,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlhf_megatron.models.attention import LatentDotProductAttention, SDPAttention
+from rlhf_megatron.models.attention import LatentDotProductAttention, LatentSDPAttention, SDPAttention
 from rlhf_megatron.models.causal_rows import CAUSAL_ROWS_ATTR
 from rlhf_megatron.models.gpt import GPTModelWithPositions, interleave_mrope
 from rlhf_megatron.models.heads import attach_scalar_head
+from rlhf_megatron.models.latent_tp import sum_rotary_key_gradients
 from rlhf_megatron.models.moe import (
     enable_moe_without_te,
     fix_expert_bias_padding_mask,
@@ -397,9 +398,8 @@ def build_gpt_model(
         if not use_te and parallel.sequence_parallel:
             chunk_spec = with_sequence_parallel_norms(chunk_spec, config, stage, pp_rank)
         if arch.mla is not None and not use_te:
-            chunk_spec = swap_module(
-                copy.deepcopy(chunk_spec), DotProductAttention, LatentDotProductAttention
-            )
+            latent = LatentSDPAttention if attention_backend == "sdpa" else LatentDotProductAttention
+            chunk_spec = swap_module(copy.deepcopy(chunk_spec), DotProductAttention, latent)
         elif attention_backend == "sdpa":
             chunk_spec = swap_module(copy.deepcopy(chunk_spec), DotProductAttention, SDPAttention)
         model = GPTModelWithPositions(
@@ -416,6 +416,8 @@ def build_gpt_model(
             vp_stage=stage,
             **_rope_kwargs(arch),
         )
+        if arch.mla is not None and not use_te:
+            sum_rotary_key_gradients(model)
         if arch.mrope_interleaved:
             interleave_mrope(model)
         if attention_backend == "sdpa" and not vl and parallel.context_parallel_size == 1:

@@ -208,3 +208,28 @@ def test_sdpa_attention_equals_local_attention_with_gqa_packing_and_tp2_sequence
         assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
     (message,) = run_on_ranks(_sdpa_refuses_attention_dropout, 1, gqa, timeout_s=300)
     assert "attention_dropout" in message
+
+
+def test_multi_latent_attention_under_sdpa_and_at_tp2_equals_local_attention_at_tp1(tmp_path):
+    """DeepSeek-V3's multi-latent attention under ``attention_backend=sdpa``: queries and keys of
+    nope + rope width, narrower values and MLA's own scale go through one fused call, with the
+    same log-probs (equal to transformers') and gradients as the local module; and at TP=2 with
+    sequence parallelism the same gradient norm as at TP=1 (the rotary key's gradient summed over
+    the heads of both ranks, ``models.latent_tp``: without it the norm was 0.3% off). Both layers
+    are dense, so no routing decision rides on the rounding."""
+    from rlhf_megatron.models.tiny import make_tiny_moe_model
+
+    mla = str(make_tiny_moe_model(tmp_path / "mla", "deepseek_v3", num_layers=2, mlp_only_layers=(0, 1)))
+    mask = _rollout()["response_mask"].bool()
+    (local,) = run_on_ranks(_run, 1, mla, True, False, "local", timeout_s=300)
+    (sdpa,) = run_on_ranks(_run, 1, mla, True, False, "sdpa", timeout_s=300)
+    assert (local["sdpa_layers"], sdpa["sdpa_layers"]) == (0, 2)
+    torch.testing.assert_close(sdpa["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sdpa["log_probs"][mask], _hf_log_probs(mla)[mask], rtol=1e-4, atol=1e-4)
+    assert sdpa["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(sdpa["grads"], local["grads"], rtol=1e-4, atol=1e-7)
+    for rank_result in run_on_ranks(_run, 2, mla, True, True, "sdpa", timeout_s=300):
+        torch.testing.assert_close(
+            rank_result["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5
+        )
+        assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
