@@ -46,6 +46,7 @@ def test_mfu_script_tiny_on_cpu(tmp_path):
             "--only",
             "base",
             "after_rows",
+            "mla_moe",
             "--out",
             str(out),
         ],
@@ -57,14 +58,17 @@ def test_mfu_script_tiny_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = result["variants"]
-    assert set(runs) == {"base", "after_rows"}
+    assert set(runs) == {"base", "after_rows", "mla_moe"}
     for run in runs.values():
         assert "error" not in run, run.get("error")
         assert run["warmup_update_ok"] and run["update"]["update_ok"] and run["update"]["tokens"] == 8 * 64
+    # DeepSeek-V3's layers ran on their CPU stand-in, a checkpoint written without transformers.
+    assert set(result["models"]) == {"tiny", "tiny-deepseek-v3"}
+    assert result["models"]["tiny-deepseek-v3"]["parameters"] == 587_076
     assert runs["base"]["deterministic"] is True  # the baseline asks for deterministic algorithms
     assert runs["after_rows"]["fused_adam_optimizers"] == 1
     assert result["env"]["deterministic_after_init"] is True  # the CPU default
-    assert set(result["planner"]) == {"base", "after_rows"}
+    assert set(result["planner"]) == {"base", "after_rows", "mla_moe"}
     result["planner"] = {}
     out.write_text(json.dumps(result))
     replan = subprocess.run(
@@ -75,4 +79,27 @@ def test_mfu_script_tiny_on_cpu(tmp_path):
         timeout=300,
     )
     assert replan.returncode == 0, replan.stderr[-3000:]
-    assert json.loads(out.read_text())["planner"]["base"]["update_planned_gib"] > 0
+    planned = json.loads(out.read_text())["planner"]
+    assert planned["base"]["update_planned_gib"] > 0 and planned["mla_moe"]["update_planned_gib"] > 0
+
+
+def test_flops_per_token_counts_mla_and_the_experts_a_token_goes_through():
+    """By hand: the 1.24B Llama as every earlier GPU JSON counted it, and the tiny DeepSeek-V3
+    (query latent 64, KV latent 32 + rotary 16, 4 heads of 32 + 16 / 32, layer 0 dense, layer 1
+    of 4 experts of 64, top 2, one shared)."""
+    from rlhf_megatron.planning.model_arch import ModelArch
+
+    measure = mfu.measure
+    llama = ModelArch.from_hf_config(measure.llama_config(measure.MODELS["llama-1b"]).to_dict())
+    per_layer = 2048 * (2 * 2048 + 2 * 512) + 3 * 2048 * 8192
+    matmul = 16 * per_layer + 128256 * 2048
+    assert measure.flops_per_token(llama, 2048)["forward"] == 2 * matmul + 2 * 16 * 2048 * 2048
+
+    arch = ModelArch.from_hf_config(measure.deepseek_v3_config(measure.MODELS["tiny-deepseek-v3"]))
+    attention = 128 * 64 + 64 * 4 * 48 + 128 * (32 + 16) + 32 * 4 * (32 + 32) + 4 * 32 * 128
+    dense, sparse = 3 * 128 * 256, 4 * 128 + 2 * 3 * 128 * 64 + 3 * 128 * 64
+    flops = measure.flops_per_token(arch, 2048)
+    assert flops["matmul_parameters"] == 2 * attention + dense + sparse + 1024 * 128
+    # QK^T over 48 dimensions a head, AV over 32, half the square each, in both layers.
+    assert flops["forward"] == 2 * flops["matmul_parameters"] + 2 * 2048 * 4 * (48 + 32)
+    assert flops["forward_6n_rule"] < 2 * flops["parameters"]  # 2 of the 4 experts active

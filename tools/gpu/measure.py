@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -79,6 +80,48 @@ MODELS = {
         layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, vocab=128256, tied=True
     ),
     "tiny": dict(layers=2, hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=256, vocab=1024, tied=True),
+    # DeepSeek-V3's layers at a size one GPU trains (issue #54): its multi-latent attention (16
+    # heads, V3's query and KV latents 1536 and 512, 128 + 64 query/key and 128 value dimensions),
+    # one leading dense layer, then sparse layers of 32 routed experts (top-4, sigmoid router with
+    # its score-correction bias) of V2-Lite's width 1408 plus 2 shared; 2.05B parameters, 0.84B
+    # of them active per token (0.63B in the matrices it goes through, the LM head's included).
+    "deepseek-v3-small": dict(
+        family="deepseek_v3",
+        layers=6,
+        hidden=2048,
+        heads=16,
+        ffn=10944,
+        vocab=102400,
+        q_lora=1536,
+        kv_lora=512,
+        qk_nope=128,
+        qk_rope=64,
+        v_head=128,
+        experts=32,
+        top_k=4,
+        expert_ffn=1408,
+        shared=2,
+        dense_layers=1,
+    ),
+    # Its CPU smoke-run size (``--tiny``): the tiny DeepSeek-V3's attention (``models.tiny.TINY_MLA``).
+    "tiny-deepseek-v3": dict(
+        family="deepseek_v3",
+        layers=2,
+        hidden=128,
+        heads=4,
+        ffn=256,
+        vocab=1024,
+        q_lora=64,
+        kv_lora=32,
+        qk_nope=32,
+        qk_rope=16,
+        v_head=32,
+        experts=4,
+        top_k=2,
+        expert_ffn=64,
+        shared=1,
+        dense_layers=1,
+    ),
 }
 RECOMPUTE = {  # mode -> MegatronConfig overrides
     "none": {},
@@ -297,10 +340,100 @@ def llama_config(shape: dict, max_positions: int = 8192):
     return config
 
 
+def deepseek_v3_config(shape: dict, max_positions: int = 8192) -> dict:
+    """The ``config.json`` of a DeepSeek-V3-family model of ``shape``'s sizes (a ``MODELS`` entry
+    with ``family="deepseek_v3"``): DeepSeek-V3's keys, one expert group, no YaRN, no MTP layer."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": shape["vocab"],
+        "hidden_size": shape["hidden"],
+        "intermediate_size": shape["ffn"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["heads"],
+        "q_lora_rank": shape["q_lora"],
+        "kv_lora_rank": shape["kv_lora"],
+        "qk_nope_head_dim": shape["qk_nope"],
+        "qk_rope_head_dim": shape["qk_rope"],
+        "v_head_dim": shape["v_head"],
+        "head_dim": shape["qk_rope"],
+        "n_routed_experts": shape["experts"],
+        "num_experts_per_tok": shape["top_k"],
+        "moe_intermediate_size": shape["expert_ffn"],
+        "n_shared_experts": shape["shared"],
+        "first_k_dense_replace": shape["dense_layers"],
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 0,
+        "max_position_embeddings": max_positions,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
+def write_config(path: Path, shape: dict, max_positions: int = 8192) -> None:
+    """``config.json`` alone of a ``MODELS`` entry (the planner needs no weights)."""
+    if shape.get("family") == "deepseek_v3":
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(deepseek_v3_config(shape, max_positions), indent=2))
+    else:
+        llama_config(shape, max_positions).save_pretrained(path)
+
+
+def write_random_checkpoint(path: Path, config: dict, cuda: bool) -> int:
+    """An HF checkpoint of ``config`` with random weights, written tensor by tensor from the
+    package's own list of the family's tensors (``models.spec.expected_hf_shapes``), so no
+    transformers model class is needed: matrices N(0, 0.02) drawn on the device, norms 1, the
+    router's score-correction bias 0. Returns the parameter count."""
+    from rlhf_megatron.models.hf_io import SafetensorsShardWriter
+    from rlhf_megatron.models.spec import expected_hf_shapes
+    from rlhf_megatron.planning.model_arch import ModelArch
+
+    shapes = expected_hf_shapes(ModelArch.from_hf_config(config, source=f"{path}/config.json"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    device = "cuda" if cuda else "cpu"
+    path.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsShardWriter(path, [(name, shape, dtype) for name, shape in shapes.items()])
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=dtype)
+        elif len(shape) == 1:
+            tensor = torch.zeros(shape, dtype=dtype)
+        else:
+            tensor = (torch.randn(shape, generator=g, device=device) * 0.02).to(dtype).cpu()
+        writer.write(name, tensor)
+    writer.close()
+    (path / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype)[6:]}, indent=2))
+    return sum(math.prod(shape) for shape in shapes.values())
+
+
 def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) -> dict:
-    """A random Llama-style HF checkpoint (bf16 on GPU, fp32 on CPU), std 0.02 as in Llama's init."""
+    """A random HF checkpoint of a ``MODELS`` entry (bf16 on GPU, fp32 on CPU), std 0.02 as in
+    Llama's init: Llama-style through transformers, DeepSeek-V3's family through
+    ``write_random_checkpoint``."""
     import transformers
 
+    if shape.get("family") == "deepseek_v3":
+        with Timer(cuda) as t:
+            n = write_random_checkpoint(path, deepseek_v3_config(shape, max_positions), cuda)
+        return {
+            "path": str(path),
+            "shape": shape,
+            "parameters": n,
+            "dtype": str(torch.bfloat16 if cuda else torch.float32),
+            "write_s": round(t.seconds, 1),
+        }
     config = llama_config(shape, max_positions)
     dtype = torch.bfloat16 if cuda else torch.float32
     with Timer(cuda) as t:
@@ -322,19 +455,41 @@ def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) 
 
 
 def flops_per_token(arch, seq: int) -> dict:
-    """Forward FLOPs per token: matrix parameters (layers + LM head) and causal attention."""
+    """Forward FLOPs per token: the matrix parameters a token goes through (every layer's
+    projections and MLP, and the LM head; of a sparse layer its router, shared experts and top-k
+    routed experts) and causal attention (QK^T over the query/key width, AV over the value
+    width, half the square each). ``matmul_parameters`` counts those matrices;
+    ``forward_6n_rule`` is 2 x the parameters a token activates (all of a dense model's)."""
     from rlhf_megatron.planning.arch import count_parameters
 
     c = count_parameters(arch)
-    h, L = arch.hidden_size, arch.num_layers
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    per_layer = h * (2 * q + 2 * kv) + 3 * h * arch.ffn_hidden_size
-    matmul = L * per_layer + arch.vocab_size * h
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    mla = arch.mla
+    if mla is None:
+        q, kv = heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        attention = h * (2 * q + 2 * kv)
+        qk_width = v_width = arch.head_dim
+    else:
+        query = heads * mla.q_head_dim
+        attention = (h * mla.q_lora_rank + mla.q_lora_rank * query) if mla.q_lora_rank else h * query
+        attention += h * (mla.kv_lora_rank + mla.qk_rope_head_dim)  # the latent and the rotary key
+        attention += mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        attention += heads * mla.v_head_dim * h  # output projection
+        qk_width, v_width = mla.q_head_dim, mla.v_head_dim
+    matmul = arch.vocab_size * h
+    for layer in range(arch.num_layers):
+        matmul += attention
+        if arch.is_moe_layer(layer):
+            moe = arch.moe
+            matmul += moe.num_experts * h + moe.top_k * 3 * h * moe.ffn_hidden_size
+            matmul += 3 * h * (moe.shared_expert_ffn_hidden_size or 0)
+        else:
+            matmul += 3 * h * arch.ffn_hidden_size
     return {
         "parameters": c.total,
         "matmul_parameters": matmul,
-        "forward": 2 * matmul + 2 * L * seq * q,
-        "forward_6n_rule": 2 * c.total,
+        "forward": 2 * matmul + arch.num_layers * seq * heads * (qk_width + v_width),
+        "forward_6n_rule": 2 * c.active,
     }
 
 
@@ -824,7 +979,7 @@ def replan(path: Path) -> int:
     args.cuda = results["args"].get("cuda", True)
     args.transformer_impl = "transformer_engine" if results["env"].get("transformer_engine") else "local"
     with tempfile.TemporaryDirectory(prefix="replan_") as tmp:
-        llama_config(results["model"]["shape"]).save_pretrained(tmp)  # config.json only: no weights
+        write_config(Path(tmp), results["model"]["shape"])  # config.json only: no weights
         results["planner"] = planner(args, tmp, results["runs"])
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

@@ -18,8 +18,10 @@ still run; a ``--budget-s`` deadline skips what would not finish):
   ``after`` what this checkout does on CUDA (sdpa attention, mask-free rows from 8K-token micro-batches,
   deterministic algorithms off) with torch's fused AdamW; then ``after`` with mask-free rows at
   2K, larger micro-batches, recompute selective/full, 4K tokens, 16K/32K tokens with full
-  recompute (mask-free against the mask), a Llama-3.2-3B-shaped model, and left/right-padded
-  rows (mask-free rolled rows against the mask: same log-probs?). The first run (its JSON keeps
+  recompute (mask-free against the mask), a Llama-3.2-3B-shaped model, left/right-padded
+  rows (mask-free rolled rows against the mask: same log-probs?), and DeepSeek-V3's layers at
+  a small size (``deepseek-v3-small``: multi-latent attention, shared-expert MoE) with the local
+  attention and with sdpa. The first run (its JSON keeps
   its own variant list) added one change at a time instead.
 - ``profile`` (inside a variant): one update under torch's profiler: GPU kernel time by category
   and the top kernels, how much of the step the GPU was busy, and on the host the ops with the
@@ -83,6 +85,7 @@ AFTER = dict(attention="auto", causal_rows="auto", deterministic=None, fused_ada
 ROWS, MASK = {**AFTER, "causal_rows": 0}, {**AFTER, "causal_rows": None}  # mask-free rows always / never
 LONG16, LONG32 = (1024, 15360, 2, 1), (1024, 31744, 2, 1)
 LONG = dict(recompute="full", log_prob=False)  # long rows: full recompute, no log-prob pass
+MLA_MOE = "deepseek-v3-small"
 VARIANTS = [
     dict(name="base", profile=True),
     dict(name="after", **AFTER, profile=True),
@@ -102,7 +105,14 @@ VARIANTS = [
     dict(name="after_3b_m4", model="llama-3b", **AFTER, shape=(1024, 1024, 16, 4)),
     dict(name="after_padded", **AFTER, padded=True),
     dict(name="after_padded_rows", **ROWS, padded=True),
+    # DeepSeek-V3's multi-latent attention and shared-expert MoE layers (issue #54, item 4): the
+    # unfused local attention, then torch's sdpa (MLA's 192-wide queries/keys, 128-wide values).
+    dict(name="mla_moe_local", model=MLA_MOE),
+    dict(name="mla_moe", model=MLA_MOE, **AFTER, profile=True),
+    dict(name="mla_moe_m4", model=MLA_MOE, **AFTER, shape=(1024, 1024, 16, 4)),
 ]
+TINY = {MLA_MOE: "tiny-deepseek-v3"}
+"""``--tiny``: each model's CPU stand-in (``tiny`` for the Llama shapes)."""
 
 
 def sync(cuda: bool) -> None:
@@ -450,7 +460,7 @@ def planner(args, model_dirs: dict[str, str], runs: dict) -> dict:
         if "update" not in run:
             continue
         v = {**BASE, **run["variant"]}
-        model_dir = model_dirs["tiny" if args.tiny else v["model"]]
+        model_dir = model_dirs[model_name(args, v)]
         _, actor = measure.actor_plan(variant_args(args, v), model_dir, run["overrides"])
         entry = {
             "update_planned_gib": measure.gib(actor.training_phase()),
@@ -560,8 +570,7 @@ def run_variants(args, variants: list[dict], tmp: Path, results: dict, save, sta
             continue
         t0 = time.perf_counter()
         try:
-            model = "tiny" if args.tiny else v["model"]
-            results["variants"][v["name"]] = run_variant(args, model_dir_of(model), v)
+            results["variants"][v["name"]] = run_variant(args, model_dir_of(model_name(args, v)), v)
         except Exception:  # noqa: BLE001 (recorded)
             results["variants"][v["name"]] = {"variant": v, "error": traceback.format_exc()}
             print(f"[mfu] {v['name']} FAILED:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -573,6 +582,11 @@ def run_variants(args, variants: list[dict], tmp: Path, results: dict, save, sta
         )
         save()
     return model_dirs
+
+
+def model_name(args, v: dict) -> str:
+    """The ``measure.MODELS`` entry variant ``v`` runs on (its CPU stand-in under ``--tiny``)."""
+    return TINY.get(v["model"], "tiny") if args.tiny else v["model"]
 
 
 def replan(path: Path, args) -> int:
@@ -595,7 +609,7 @@ def replan(path: Path, args) -> int:
         dirs = {}
         for name, model in models.items():  # config.json only: the planner needs no weights
             dirs[name] = str(Path(tmp) / name)
-            measure.llama_config(model["shape"], longest).save_pretrained(dirs[name])
+            measure.write_config(Path(dirs[name]), model["shape"], longest)
         results["planner"] = planner(args, dirs, results["variants"])
     results["planner"]["recomputed"] = time.strftime("%Y-%m-%d %H:%M:%S")
     measure.write_json(path, results, default=_jsonable)
