@@ -1,12 +1,12 @@
-"""Every text family's gradients at TP=2 with sequence parallelism equal TP=1's, parameter by
-parameter (real megatron-core over gloo, ``MegatronEngine.train_step``).
+"""Every text family's gradients at TP=2 with sequence parallelism, and over two pipeline stages,
+equal TP=1's, parameter by parameter (real megatron-core over gloo, ``MegatronEngine.train_step``).
 
 A forward pass that matches transformers says little about the backward pass under TP: megatron-core
 0.16's local multi-latent attention computed DeepSeek-V3's logits right at TP=2 and lost part of
 the rotary key's gradient (``models.latent_tp``). Here one rollout-shaped mini-batch goes through
-one step of each tiny family at TP=1 and at TP=2; for every parameter the squared norm of its
-gradient (summed over the two shards of a TP-split one, each rank's own for a replicated one) must
-equal TP=1's. Sparse layers route on weights drawn wide (``build_tiny_moe_model``), so rounding
+one step of each tiny family at TP=1, at TP=2 and at PP=2; for every parameter the squared norm of
+its gradient (summed over the two shards of a TP-split one, each rank's own for a replicated one,
+the stage's that holds it under PP) must equal TP=1's. Sparse layers route on weights drawn wide (``build_tiny_moe_model``), so rounding
 decides no expert.
 """
 
@@ -33,6 +33,16 @@ def models(tmp_path_factory) -> dict[str, str]:
     for family in FAMILIES:
         if family in ("llama", "qwen2", "qwen3"):
             path = make_tiny_hf_model(root / family, family, hidden_size=128, ffn_hidden_size=256, **sizes)
+            if family == "llama":  # and the same with its LM head tied to the embedding
+                tied = make_tiny_hf_model(
+                    root / "llama_tied",
+                    family,
+                    hidden_size=128,
+                    ffn_hidden_size=256,
+                    tie_word_embeddings=True,
+                    **sizes,
+                )
+                out["llama_tied"] = str(tied)
         else:  # layer 0 dense where the family has dense layers, layer 1 sparse
             dense = () if family == "qwen3_moe" else (0,)
             path = make_tiny_moe_model(root / family, family, mlp_only_layers=dense, **sizes)
@@ -61,8 +71,31 @@ def _batch():
     }
 
 
-def _gradient_norms(rank, world, models):
-    """Per family: parameter name -> (squared norm of this rank's gradient, whether TP splits it)."""
+LAYOUTS = {  # name -> (TP, PP, sequence parallelism)
+    "tp1": (1, 1, False),
+    "tp2_sp": (2, 1, True),
+    "pp2": (1, 2, False),
+}
+
+
+def _global_names(model) -> dict[str, str]:
+    """This pipeline stage's parameter names -> the names they have on one stage: local layer
+    ``i`` is global layer ``i + offset`` (megatron numbers a stage's layers from 0; each layer
+    knows its global 1-based ``layer_number``); a tied LM head held apart by the last stage
+    (``output_layer.weight``, its gradient summed with the embedding's) is the embedding."""
+    import re
+
+    offset = min(m.layer_number for m in model.modules() if hasattr(m, "layer_number")) - 1
+    names = {}
+    for name, _ in model.named_parameters():
+        glob = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
+        names[name] = glob
+    return names
+
+
+def _gradient_norms(rank, world, models, layout):
+    """Per family: parameter name (as on one stage) -> (squared norm of this rank's gradient,
+    whether TP splits it), after one step in ``layout``."""
     from rlhf_megatron.config.schema import MegatronConfig, OptimConfig
     from rlhf_megatron.data.batch import Batch
     from rlhf_megatron.models.builder import ParallelConfig
@@ -76,16 +109,21 @@ def _gradient_norms(rank, world, models):
         split_micro_batches,
     )
 
-    init_model_parallel(world, 1, seed=1)
-    sp = world > 1
+    tp, pp, sp = LAYOUTS[layout]
+    init_model_parallel(tp, pp, seed=1)
     out = {}
     for family, model in models.items():
         arch = ModelArch.from_hf_dir(model)
         engine = MegatronEngine(
             arch,
-            ParallelConfig(world, sequence_parallel=sp),
+            ParallelConfig(tp, pp, sequence_parallel=sp),
             model,
-            MegatronConfig(params_dtype="float32", tensor_model_parallel_size=world, sequence_parallel=sp),
+            MegatronConfig(
+                params_dtype="float32",
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                sequence_parallel=sp,
+            ),
             OptimConfig(lr=0.0, clip_grad=1e9),
             total_steps=1,
         )
@@ -100,26 +138,54 @@ def _gradient_norms(rank, world, models):
             return -(logp * micro["advantages"] * mask).sum() / mask.sum() * micro["_weight"], {}
 
         engine.train_step(micros, loss_fn)
-        out[family] = {
-            name: (float(p.main_grad.double().pow(2).sum()), bool(getattr(p, "tensor_model_parallel", False)))
-            for name, p in engine.chunks[0].named_parameters()
-            if getattr(p, "main_grad", None) is not None
-        }
+        chunk = engine.chunks[0]
+        names = _global_names(chunk)
+        tied = arch.tie_word_embeddings and pp > 1
+        out[family] = {}
+        for name, p in chunk.named_parameters():
+            if getattr(p, "main_grad", None) is None:
+                continue
+            glob = names[name]
+            if tied and glob.endswith("output_layer.weight"):
+                glob = glob.replace("output_layer.weight", "embedding.word_embeddings.weight")
+            out[family][glob] = (
+                float(p.main_grad.double().pow(2).sum()),
+                bool(getattr(p, "tensor_model_parallel", False)),
+            )
     return out
 
 
-def test_every_familys_gradients_at_tp2_with_sequence_parallelism_equal_tp1(models):
-    (one,) = run_on_ranks(_gradient_norms, 1, models, timeout_s=600)
-    ranks = run_on_ranks(_gradient_norms, 2, models, timeout_s=600)
-    for family in FAMILIES:
-        assert set(ranks[0][family]) == set(one[family]), family
-        wrong = {}
-        for name, (expected, _) in one[family].items():
-            (first, split), (second, _) = ranks[0][family][name], ranks[1][family][name]
-            got = first + second if split else first
-            if not split:
-                assert first == pytest.approx(second, rel=1e-6, abs=1e-12), f"{family} {name}: ranks differ"
-            if got != pytest.approx(expected, rel=1e-4, abs=1e-12):
-                wrong[name] = (expected, got)
-        assert not wrong, f"{family}: gradients at TP=2 differ from TP=1's (squared norms): {wrong}"
-        assert sum(v for v, _ in one[family].values()) > 0, family
+def _combined(ranks: list[dict], layout: str) -> dict[str, float]:
+    """The two ranks' squared norms as one model's: TP-split parameters summed over the TP ranks,
+    replicated ones equal on both; each pipeline stage's own parameters (a tied embedding on both
+    stages with the same gradient)."""
+    first, second = ranks
+    out = {}
+    for name in sorted(set(first) | set(second)):
+        a, b = first.get(name), second.get(name)
+        if a is not None and b is not None:
+            if layout == "tp2_sp" and a[1]:
+                out[name] = a[0] + b[0]
+                continue
+            assert a[0] == pytest.approx(b[0], rel=1e-6, abs=1e-12), f"{name}: the ranks' gradients differ"
+        out[name] = (a or b)[0]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_every_familys_gradients_equal_tp1s(models, layout):
+    """At TP=2 with sequence parallelism, and over two pipeline stages (a tied LM head among the
+    models: the embedding's gradient summed over the first and last stage)."""
+    (one,) = run_on_ranks(_gradient_norms, 1, models, "tp1", timeout_s=600)
+    ranks = run_on_ranks(_gradient_norms, 2, models, layout, timeout_s=600)
+    for family in models:
+        expected = {name: norm for name, (norm, _) in one[family].items()}
+        got = _combined([r[family] for r in ranks], layout)
+        assert set(got) == set(expected), f"{family}: {sorted(set(got) ^ set(expected))}"
+        wrong = {
+            n: (expected[n], got[n])
+            for n in expected
+            if got[n] != pytest.approx(expected[n], rel=1e-4, abs=1e-12)
+        }
+        assert not wrong, f"{family} at {layout}: gradients differ from TP=1's (squared norms): {wrong}"
+        assert sum(expected.values()) > 0, family
