@@ -1,13 +1,15 @@
-"""Every text family's gradients at TP=2 with sequence parallelism, and over two pipeline stages,
-equal TP=1's, parameter by parameter (real megatron-core over gloo, ``MegatronEngine.train_step``).
+"""Every text family's gradients at TP=2 with sequence parallelism, over two pipeline stages and
+over two data-parallel ranks (experts split between them) equal one process's, parameter by
+parameter (real megatron-core over gloo, ``MegatronEngine.train_step``).
 
 A forward pass that matches transformers says little about the backward pass under TP: megatron-core
 0.16's local multi-latent attention computed DeepSeek-V3's logits right at TP=2 and lost part of
 the rotary key's gradient (``models.latent_tp``). Here one rollout-shaped mini-batch goes through
-one step of each tiny family at TP=1, at TP=2 and at PP=2; for every parameter the squared norm of
-its gradient (summed over the two shards of a TP-split one, each rank's own for a replicated one,
-the stage's that holds it under PP) must equal TP=1's. Sparse layers route on weights drawn wide (``build_tiny_moe_model``), so rounding
-decides no expert.
+one step of each tiny family on one process and in each layout; for every parameter the squared
+norm of its gradient (summed over the two shards of a TP-split one, each rank's own for a
+replicated one, the stage's or expert-parallel rank's that holds it) must equal one process's.
+Sparse layers route on weights drawn wide (``build_tiny_moe_model``), so rounding decides no
+expert.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def _batch():
     }
 
 
-LAYOUTS = {  # name -> (TP, PP, sequence parallelism)
-    "tp1": (1, 1, False),
-    "tp2_sp": (2, 1, True),
-    "pp2": (1, 2, False),
+LAYOUTS = {  # name -> (TP, PP, sequence parallelism, EP: data parallelism for a dense model)
+    "tp1": (1, 1, False, 1),
+    "tp2_sp": (2, 1, True, 1),
+    "pp2": (1, 2, False, 1),
+    "dp2_ep2": (1, 1, False, 2),
 }
 
 
@@ -93,6 +96,15 @@ def _global_names(model) -> dict[str, str]:
     return names
 
 
+def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
+    """Local expert ``j`` of expert-parallel rank ``r`` is expert ``r * local_experts + j``."""
+    import re
+
+    return re.sub(
+        r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * local_experts + int(m[1])}.", name
+    )
+
+
 def _gradient_norms(rank, world, models, layout):
     """Per family: parameter name (as on one stage) -> (squared norm of this rank's gradient,
     whether TP splits it), after one step in ``layout``."""
@@ -109,26 +121,33 @@ def _gradient_norms(rank, world, models, layout):
         split_micro_batches,
     )
 
-    tp, pp, sp = LAYOUTS[layout]
-    init_model_parallel(tp, pp, seed=1)
+    tp, pp, sp, ep = LAYOUTS[layout]
+    batch = Batch.from_dict(_batch())
+    if ep > 1:  # data-parallel ranks: each its half of the rows (megatron averages over them)
+        half = len(batch) // 2
+        batch = Batch.from_dict({k: v[rank * half : (rank + 1) * half] for k, v in _batch().items()})
     out = {}
     for family, model in models.items():
         arch = ModelArch.from_hf_dir(model)
+        experts = ep if arch.moe is not None else 1  # a dense model's two ranks: data parallelism
+        init_model_parallel(tp, pp, seed=1, expert_model_parallel_size=experts)
         engine = MegatronEngine(
             arch,
-            ParallelConfig(tp, pp, sequence_parallel=sp),
+            ParallelConfig(tp, pp, sequence_parallel=sp, expert_model_parallel_size=experts),
             model,
             MegatronConfig(
                 params_dtype="float32",
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
                 sequence_parallel=sp,
+                expert_model_parallel_size=experts,
+                use_distributed_optimizer=False,  # every rank keeps whole reduced gradients
             ),
             OptimConfig(lr=0.0, clip_grad=1e9),
             total_steps=1,
         )
         keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
-        micros = split_micro_batches(Batch.from_dict(_batch()), keys, micro_batch_size=3)
+        micros = split_micro_batches(batch, keys, micro_batch_size=3)
 
         def loss_fn(logits, micro, arch=arch):
             resp = response_outputs(logits, micro)
@@ -146,6 +165,8 @@ def _gradient_norms(rank, world, models, layout):
             if getattr(p, "main_grad", None) is None:
                 continue
             glob = names[name]
+            if arch.moe is not None and ep > 1:
+                glob = _global_expert(glob, rank, arch.moe.num_experts // ep)
             if tied and glob.endswith("output_layer.weight"):
                 glob = glob.replace("output_layer.weight", "embedding.word_embeddings.weight")
             out[family][glob] = (
@@ -172,11 +193,20 @@ def _combined(ranks: list[dict], layout: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
-def test_every_familys_gradients_equal_tp1s(models, layout):
-    """At TP=2 with sequence parallelism, and over two pipeline stages (a tied LM head among the
-    models: the embedding's gradient summed over the first and last stage)."""
+@pytest.fixture(scope="module")
+def tp1(models):
+    """Every family's gradients on one process: what each layout must reproduce."""
     (one,) = run_on_ranks(_gradient_norms, 1, models, "tp1", timeout_s=600)
+    return one
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "dp2_ep2"])
+def test_every_familys_gradients_equal_tp1s(models, tp1, layout):
+    """At TP=2 with sequence parallelism; over two pipeline stages (a tied LM head among the
+    models: the embedding's gradient summed over the first and last stage); and over two
+    data-parallel ranks, each with half of the rows, a sparse layer's experts split between
+    them (EP=2: each expert's gradient from both ranks' tokens)."""
+    one = tp1
     ranks = run_on_ranks(_gradient_norms, 2, models, layout, timeout_s=600)
     for family in models:
         expected = {name: norm for name, (norm, _) in one[family].items()}
