@@ -200,6 +200,10 @@ class DistillationConfig:
         """Whether the teachers run on a resource pool of their own (else in the actor's processes)."""
         return any(t.enable_resource_pool for t in self.teachers().values())
 
+    def in_actor(self) -> bool:
+        """Whether teachers run in the actor's processes, at the rollout's TP (enabled, no pool)."""
+        return bool(self.teachers()) and not self.pooled()
+
     def pool_shape(self) -> tuple[int, int]:
         """``(nnodes, n_gpus_per_node)`` of the teacher pool (every teacher shares it)."""
         first = next(iter(self.teachers().values()))

@@ -83,7 +83,19 @@ class SDPAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
 
-class LatentDotProductAttention(DotProductAttention):
+class _LatentWidths:
+    """What multi-latent attention's core attention takes beyond megatron-core's: queries/keys of
+    ``k_channels`` per head (``[nope | rope]``) and values of ``v_channels``. Only the output's
+    width (heads x ``v_channels``) depends on them; the scores use the query/key width through
+    the softmax scale MLA passes."""
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+
+class LatentDotProductAttention(_LatentWidths, DotProductAttention):
     """megatron-core's local ``DotProductAttention`` for multi-latent attention.
 
     MLA hands its core attention queries/keys of ``k_channels`` (``[nope | rope]``) and values of
@@ -93,20 +105,10 @@ class LatentDotProductAttention(DotProductAttention):
     (heads x ``v_channels``) differs from ``kv_channels x heads``.
     """
 
-    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if v_channels is not None:
-            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
-
-class LatentSDPAttention(SDPAttention):
+class LatentSDPAttention(_LatentWidths, SDPAttention):
     """``SDPAttention`` for multi-latent attention (``megatron.attention_backend=sdpa``): queries and
     keys of ``k_channels`` per head, values of ``v_channels``, MLA's own softmax scale (as
     ``LatentDotProductAttention``). ``F.scaled_dot_product_attention`` takes a value width apart
     from the query/key width, so only the output's width changes; the scores never exist whole,
     where the local module keeps ``[b * heads, s, s]`` of them for backward."""
-
-    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if v_channels is not None:
-            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels

@@ -180,9 +180,8 @@ def check_rollout_tp(ctx: ValidationContext) -> list[str]:
                 f"{ROLLOUT}.n_gpus_per_node); each group of {tp} processes is one vLLM engine"
             )
         distillation = ctx.run.distillation
-        teachers = distillation.teachers() if distillation.enabled else {}
-        if teachers and not distillation.pooled() and ctx.world % tp:
-            where = distillation.teacher_key(next(iter(teachers)))
+        if distillation.in_actor() and ctx.world % tp:
+            where = distillation.teacher_key(next(iter(distillation.teachers())))
             out.append(
                 f"{key}={tp} does not divide the trainer's {ctx.world} processes, where the teachers run "
                 f"at the rollout's TP ({where}.enable_resource_pool=false); choose a divisor of "

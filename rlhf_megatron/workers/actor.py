@@ -75,8 +75,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         self.rollout_tp = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
         # Engines in these processes: the colocated rollout's, or the teachers' that share its TP.
         # A rollout on its own pool gets full tensors, whatever the trainer's process count.
-        distillation = context.distillation
-        hosts_engines = section.hybrid_engine or (distillation.enabled and not distillation.pooled())
+        hosts_engines = section.hybrid_engine or context.distillation.in_actor()
         if hosts_engines and world_size % self.rollout_tp:
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.rollout_tp} does not divide "
@@ -134,7 +133,7 @@ class ActorRolloutRefWorker(MegatronRoleWorker):
         """The teachers' engines, after the rollout's: they join the vLLM parallel groups the rollout
         set up (same TP), so every rollout replica has its own copy of each teacher."""
         distillation = self.context.distillation
-        if not distillation.enabled or distillation.pooled():  # a pool's teachers are TeacherWorkers
+        if not distillation.in_actor():  # a pool's teachers are TeacherWorkers
             return
         rollout = self.section.rollout
         self.teacher = TeacherScorer(

@@ -422,29 +422,12 @@ def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) 
     """A random HF checkpoint of a ``MODELS`` entry (bf16 on GPU, fp32 on CPU), std 0.02 as in
     Llama's init: Llama-style through transformers, DeepSeek-V3's family through
     ``write_random_checkpoint``."""
-    import transformers
-
-    if shape.get("family") == "deepseek_v3":
-        with Timer(cuda) as t:
-            n = write_random_checkpoint(path, deepseek_v3_config(shape, max_positions), cuda)
-        return {
-            "path": str(path),
-            "shape": shape,
-            "parameters": n,
-            "dtype": str(torch.bfloat16 if cuda else torch.float32),
-            "write_s": round(t.seconds, 1),
-        }
-    config = llama_config(shape, max_positions)
     dtype = torch.bfloat16 if cuda else torch.float32
     with Timer(cuda) as t:
-        torch.manual_seed(0)
-        with torch.device("cuda" if cuda else "cpu"):
-            model = transformers.LlamaForCausalLM(config).to(dtype)
-        model.save_pretrained(path, safe_serialization=True)
-    n = sum(p.numel() for p in model.parameters())
-    del model
-    if cuda:
-        torch.cuda.empty_cache()
+        if shape.get("family") == "deepseek_v3":
+            n = write_random_checkpoint(path, deepseek_v3_config(shape, max_positions), cuda)
+        else:
+            n = _write_llama(path, llama_config(shape, max_positions), dtype, cuda)
     return {
         "path": str(path),
         "shape": shape,
@@ -452,6 +435,21 @@ def write_model(path: Path, shape: dict, cuda: bool, max_positions: int = 8192) 
         "dtype": str(dtype),
         "write_s": round(t.seconds, 1),
     }
+
+
+def _write_llama(path: Path, config, dtype: torch.dtype, cuda: bool) -> int:
+    """transformers' Llama of ``config`` with its own random init, saved; returns its parameters."""
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return n
 
 
 def flops_per_token(arch, seq: int) -> dict:
