@@ -176,6 +176,27 @@ def _sdpa_refuses_attention_dropout(rank, world, model):
     return str(err.value)
 
 
+def _assert_sdpa_equals_local(model, hf_tolerance):
+    """Under ``attention_backend=sdpa`` at TP=1 (its two layers' attention SDPAttention) the same
+    log-probs as the local attention and as transformers (within ``hf_tolerance``), the same
+    gradients; at TP=2 with sequence parallelism the same log-probs and gradient norm."""
+    mask = _rollout()["response_mask"].bool()
+    (local,) = run_on_ranks(_run, 1, model, True, False, "local", timeout_s=300)
+    (sdpa,) = run_on_ranks(_run, 1, model, True, False, "sdpa", timeout_s=300)
+    assert (local["sdpa_layers"], sdpa["sdpa_layers"]) == (0, 2)
+    torch.testing.assert_close(sdpa["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        sdpa["log_probs"][mask], _hf_log_probs(model)[mask], rtol=hf_tolerance, atol=hf_tolerance
+    )
+    assert sdpa["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(sdpa["grads"], local["grads"], rtol=1e-4, atol=1e-7)
+    for rank_result in run_on_ranks(_run, 2, model, True, True, "sdpa", timeout_s=300):
+        torch.testing.assert_close(
+            rank_result["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5
+        )
+        assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+
+
 def test_sdpa_attention_equals_local_attention_with_gqa_packing_and_tp2_sequence_parallelism(tmp_path):
     """``megatron.attention_backend=sdpa``: the same log-probs (equal to transformers') and the same
     gradients as megatron's local attention, with grouped KV heads, shared-prompt segments in the mask
@@ -193,19 +214,7 @@ def test_sdpa_attention_equals_local_attention_with_gqa_packing_and_tp2_sequence
             ffn_hidden_size=256,
         )
     )
-    mask = _rollout()["response_mask"].bool()
-    (local,) = run_on_ranks(_run, 1, gqa, True, False, "local", timeout_s=300)
-    (sdpa,) = run_on_ranks(_run, 1, gqa, True, False, "sdpa", timeout_s=300)
-    assert (local["sdpa_layers"], sdpa["sdpa_layers"]) == (0, 2)
-    torch.testing.assert_close(sdpa["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sdpa["log_probs"][mask], _hf_log_probs(gqa)[mask], rtol=1e-5, atol=1e-5)
-    assert sdpa["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
-    torch.testing.assert_close(sdpa["grads"], local["grads"], rtol=1e-4, atol=1e-7)
-    for rank_result in run_on_ranks(_run, 2, gqa, True, True, "sdpa", timeout_s=300):
-        torch.testing.assert_close(
-            rank_result["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5
-        )
-        assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    _assert_sdpa_equals_local(gqa, hf_tolerance=1e-5)
     (message,) = run_on_ranks(_sdpa_refuses_attention_dropout, 1, gqa, timeout_s=300)
     assert "attention_dropout" in message
 
@@ -220,16 +229,4 @@ def test_multi_latent_attention_under_sdpa_and_at_tp2_equals_local_attention_at_
     from rlhf_megatron.models.tiny import make_tiny_moe_model
 
     mla = str(make_tiny_moe_model(tmp_path / "mla", "deepseek_v3", num_layers=2, mlp_only_layers=(0, 1)))
-    mask = _rollout()["response_mask"].bool()
-    (local,) = run_on_ranks(_run, 1, mla, True, False, "local", timeout_s=300)
-    (sdpa,) = run_on_ranks(_run, 1, mla, True, False, "sdpa", timeout_s=300)
-    assert (local["sdpa_layers"], sdpa["sdpa_layers"]) == (0, 2)
-    torch.testing.assert_close(sdpa["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sdpa["log_probs"][mask], _hf_log_probs(mla)[mask], rtol=1e-4, atol=1e-4)
-    assert sdpa["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
-    torch.testing.assert_close(sdpa["grads"], local["grads"], rtol=1e-4, atol=1e-7)
-    for rank_result in run_on_ranks(_run, 2, mla, True, True, "sdpa", timeout_s=300):
-        torch.testing.assert_close(
-            rank_result["log_probs"][mask], local["log_probs"][mask], rtol=1e-5, atol=1e-5
-        )
-        assert rank_result["grad_norm"] == pytest.approx(local["grad_norm"], rel=1e-5)
+    _assert_sdpa_equals_local(mla, hf_tolerance=1e-4)

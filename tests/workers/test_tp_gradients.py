@@ -81,28 +81,18 @@ LAYOUTS = {  # name -> (TP, PP, sequence parallelism, EP: data parallelism for a
 }
 
 
-def _global_names(model) -> dict[str, str]:
-    """This pipeline stage's parameter names -> the names they have on one stage: local layer
-    ``i`` is global layer ``i + offset`` (megatron numbers a stage's layers from 0; each layer
-    knows its global 1-based ``layer_number``); a tied LM head held apart by the last stage
-    (``output_layer.weight``, its gradient summed with the embedding's) is the embedding."""
+def _one_process_name(name: str, layer_offset: int, expert_offset: int, tied: bool) -> str:
+    """The name a rank's parameter has on one process: local layer ``i`` is layer ``i +
+    layer_offset`` (megatron numbers a stage's layers from 0), local expert ``j`` is expert ``j +
+    expert_offset``, and a tied LM head the last stage holds apart (``output_layer.weight``, its
+    gradient summed with the embedding's) is the embedding."""
     import re
 
-    offset = min(m.layer_number for m in model.modules() if hasattr(m, "layer_number")) - 1
-    names = {}
-    for name, _ in model.named_parameters():
-        glob = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
-        names[name] = glob
-    return names
-
-
-def _global_expert(name: str, ep_rank: int, local_experts: int) -> str:
-    """Local expert ``j`` of expert-parallel rank ``r`` is expert ``r * local_experts + j``."""
-    import re
-
-    return re.sub(
-        r"local_experts\.(\d+)\.", lambda m: f"local_experts.{ep_rank * local_experts + int(m[1])}.", name
-    )
+    name = re.sub(r"decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + layer_offset}.", name)
+    name = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + expert_offset}.", name)
+    if tied:
+        name = name.replace("output_layer.weight", "embedding.word_embeddings.weight")
+    return name
 
 
 def _gradient_norms(rank, world, models, layout):
@@ -122,10 +112,11 @@ def _gradient_norms(rank, world, models, layout):
     )
 
     tp, pp, sp, ep = LAYOUTS[layout]
-    batch = Batch.from_dict(_batch())
+    rows = _batch()
     if ep > 1:  # data-parallel ranks: each its half of the rows (megatron averages over them)
-        half = len(batch) // 2
-        batch = Batch.from_dict({k: v[rank * half : (rank + 1) * half] for k, v in _batch().items()})
+        half = len(rows["input_ids"]) // 2
+        rows = {k: v[rank * half : (rank + 1) * half] for k, v in rows.items()}
+    batch = Batch.from_dict(rows)
     out = {}
     for family, model in models.items():
         arch = ModelArch.from_hf_dir(model)
@@ -158,17 +149,15 @@ def _gradient_norms(rank, world, models, layout):
 
         engine.train_step(micros, loss_fn)
         chunk = engine.chunks[0]
-        names = _global_names(chunk)
+        # Each layer knows its global 1-based layer_number; rank r holds experts r*E/EP onwards.
+        layer_offset = min(m.layer_number for m in chunk.modules() if hasattr(m, "layer_number")) - 1
+        expert_offset = rank * arch.moe.num_experts // experts if experts > 1 else 0
         tied = arch.tie_word_embeddings and pp > 1
         out[family] = {}
         for name, p in chunk.named_parameters():
             if getattr(p, "main_grad", None) is None:
                 continue
-            glob = names[name]
-            if arch.moe is not None and ep > 1:
-                glob = _global_expert(glob, rank, arch.moe.num_experts // ep)
-            if tied and glob.endswith("output_layer.weight"):
-                glob = glob.replace("output_layer.weight", "embedding.word_embeddings.weight")
+            glob = _one_process_name(name, layer_offset, expert_offset, tied)
             out[family][glob] = (
                 float(p.main_grad.double().pow(2).sum()),
                 bool(getattr(p, "tensor_model_parallel", False)),
